@@ -1,0 +1,1 @@
+"""Benchmarks behind ``tspd bench`` (measurements, never assertions)."""

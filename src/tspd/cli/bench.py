@@ -1,0 +1,17 @@
+"""``tspd bench ...``: benchmarks that print figures (never pass/fail)."""
+
+from __future__ import annotations
+
+import click
+
+from tspd.cli import LazyGroup
+
+# name -> "module:attribute" of the benchmark's click command.
+_BENCHMARKS: dict[str, str] = {
+    "core": "tspd.bench.core:core",
+}
+
+
+@click.group(cls=LazyGroup, lazy=_BENCHMARKS)
+def bench() -> None:
+    """Measure tspd (figures only; nothing here asserts a speed)."""

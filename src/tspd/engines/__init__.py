@@ -1,0 +1,1 @@
+"""Transfer engines behind one small synchronous protocol; only the shell offloads them."""

@@ -1,0 +1,1 @@
+"""The Trio shell: sockets, tasks, threads and timers around :mod:`tspd.core`."""

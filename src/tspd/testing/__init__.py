@@ -1,0 +1,1 @@
+"""Public test helpers: contract builders, fake engines, hypothesis strategies."""
