@@ -1,0 +1,382 @@
+"""In-process transfer engines for tests: real byte copies, injectable faults.
+
+:class:`FakeEngine` implements :class:`tspd.engines.base.TransferEngine` by copying
+with ``ctypes.memmove`` between regions registered in one process. Engines meet in
+a :class:`FakeFabric` keyed by session id (a process-wide default, or one per
+test). Every write is validated the way a careful Mooncake would: the peer must be
+alive on the fabric, every destination must lie inside one of the peer's
+registered regions and every source inside one of this engine's (Mooncake's TCP
+transport does not check the source; the fake is stricter on purpose so planner
+bugs surface in tests). Failures raise :class:`TransferError` with Mooncake's
+codes (``-1`` for a failed write, ``-3`` unknown region, ``-7`` overlap).
+
+:class:`AsyncFakeEngine` wraps a :class:`FakeEngine` with an ``async batch_write``
+whose latency and hangs are ``trio.sleep`` calls, so tests under
+``trio.testing.MockClock(autojump_threshold=0)`` run in virtual time without
+threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import final
+
+import trio
+
+from tspd.engines.base import AddressList, TransferError, as_address_list
+
+__all__ = [
+    "DEFAULT_FABRIC",
+    "AsyncFakeEngine",
+    "FakeEngine",
+    "FakeEngineStats",
+    "FakeFabric",
+]
+
+_FAILED = -1
+_UNKNOWN_REGION = -3
+_OVERLAP = -7
+
+
+@dataclass(slots=True)
+class FakeEngineStats:
+    """Counters of one fake engine (all writes it initiated)."""
+
+    batches: int = 0
+    descriptors: int = 0
+    bytes_written: int = 0
+    failures: int = 0
+    writes_by_peer: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Fault:
+    """Pending faults for writes to one peer."""
+
+    fail_writes: int = 0
+    fail_code: int = _FAILED
+    hang_writes: int = 0
+    hang_seconds: float = 0.0
+
+
+@final
+class FakeFabric:
+    """The meeting place of fake engines: session id → live engine."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engines: dict[str, FakeEngine] = {}
+        self._ports = itertools.count(20000)
+
+    def _attach(self, host: str, engine: FakeEngine) -> str:
+        with self._lock:
+            session = f"{host}:{next(self._ports)}"
+            self._engines[session] = engine
+            return session
+
+    def _detach(self, session: str) -> None:
+        with self._lock:
+            self._engines.pop(session, None)
+
+    def lookup(self, session: str) -> FakeEngine | None:
+        """The live engine with that session id, if any."""
+        with self._lock:
+            return self._engines.get(session)
+
+    def sessions(self) -> list[str]:
+        """Session ids of every live engine, sorted."""
+        with self._lock:
+            return sorted(self._engines)
+
+
+#: The fabric engines join when none is given.
+DEFAULT_FABRIC = FakeFabric()
+
+
+def _find_region(regions: dict[int, int], addr: int, length: int) -> bool:
+    """Whether ``[addr, addr+length)`` lies inside one registered region."""
+    return any(base <= addr and addr + length <= base + size for base, size in regions.items())
+
+
+@final
+class FakeEngine:
+    """A synchronous in-process engine (see the module docstring).
+
+    ``sleep`` is what a hang or latency calls (``time.sleep`` by default); a write
+    with latency runs the sleep before copying, so tests can observe a transfer in
+    flight.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        fabric: FakeFabric | None = None,
+        latency: float = 0.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._fabric = DEFAULT_FABRIC if fabric is None else fabric
+        self._lock = threading.Lock()
+        self._regions: dict[int, int] = {}
+        self._faults: dict[str, _Fault] = {}
+        self._sleep = sleep
+        self.latency = latency
+        self.stats = FakeEngineStats()
+        self._closed = False
+        self._session_id = self._fabric._attach(host, self)
+
+    @property
+    def session_id(self) -> str:
+        """``"{host}:{port}"`` with a port unique on the fabric."""
+        return self._session_id
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (the engine is then a dead peer)."""
+        return self._closed
+
+    # -- registration ---------------------------------------------------------
+
+    def register_memory(self, addr: int, length: int) -> None:
+        """Register ``[addr, addr+length)``; an overlap fails with code -7."""
+        if addr <= 0 or length <= 0:
+            raise TransferError(
+                self._session_id, _FAILED, f"cannot register {length} bytes at {addr:#x}"
+            )
+        with self._lock:
+            for base, size in self._regions.items():
+                if addr < base + size and base < addr + length:
+                    raise TransferError(
+                        self._session_id,
+                        _OVERLAP,
+                        f"region {addr:#x}+{length} overlaps registered {base:#x}+{size}",
+                    )
+            self._regions[addr] = length
+
+    def unregister_memory(self, addr: int) -> None:
+        """Withdraw the region at ``addr``; an unknown address fails with code -3."""
+        with self._lock:
+            if self._regions.pop(addr, None) is None:
+                raise TransferError(
+                    self._session_id, _UNKNOWN_REGION, f"no region registered at {addr:#x}"
+                )
+
+    def regions(self) -> dict[int, int]:
+        """A copy of the registered regions, base → length."""
+        with self._lock:
+            return dict(self._regions)
+
+    # -- faults ---------------------------------------------------------------
+
+    def fail_next(self, peer_session: str, count: int = 1, *, code: int = _FAILED) -> None:
+        """Make the next ``count`` writes to ``peer_session`` fail with ``code``
+        without copying anything."""
+        with self._lock:
+            fault = self._faults.setdefault(peer_session, _Fault())
+            fault.fail_writes += count
+            fault.fail_code = code
+
+    def hang_next(self, peer_session: str, seconds: float, count: int = 1) -> None:
+        """Make the next ``count`` writes to ``peer_session`` stall ``seconds`` and
+        then fail, like a write to a hung peer hitting ``MC_TRANSFER_TIMEOUT``."""
+        with self._lock:
+            fault = self._faults.setdefault(peer_session, _Fault())
+            fault.hang_writes += count
+            fault.hang_seconds = seconds
+
+    def clear_faults(self) -> None:
+        """Forget every pending fault."""
+        with self._lock:
+            self._faults.clear()
+
+    def _take_fault(self, peer_session: str) -> tuple[float, int] | None:
+        """Consume one pending fault for ``peer_session``: (stall seconds, code)."""
+        with self._lock:
+            fault = self._faults.get(peer_session)
+            if fault is None:
+                return None
+            if fault.hang_writes > 0:
+                fault.hang_writes -= 1
+                return (fault.hang_seconds, _FAILED)
+            if fault.fail_writes > 0:
+                fault.fail_writes -= 1
+                return (0.0, fault.fail_code)
+            return None
+
+    # -- writes ---------------------------------------------------------------
+
+    def batch_write(
+        self,
+        peer_session: str,
+        src: AddressList,
+        dst: AddressList,
+        lengths: AddressList,
+    ) -> None:
+        """Validate and copy the batch (see the module docstring)."""
+        fault = self._take_fault(peer_session)
+        stall = self.latency if fault is None else max(fault[0], self.latency)
+        if stall > 0:
+            self._sleep(stall)
+        self._write_now(peer_session, src, dst, lengths, fault)
+
+    def _write_now(
+        self,
+        peer_session: str,
+        src: AddressList,
+        dst: AddressList,
+        lengths: AddressList,
+        fault: tuple[float, int] | None,
+    ) -> None:
+        """The synchronous part of a write, after any latency."""
+        try:
+            if fault is not None:
+                stalled = f" after stalling {fault[0]:g}s" if fault[0] > 0 else ""
+                raise TransferError(peer_session, fault[1], f"injected fault{stalled}")
+            copies = self._validate(peer_session, src, dst, lengths)
+        except TransferError:
+            with self._lock:
+                self.stats.failures += 1
+            raise
+        total = 0
+        for s, d, n in copies:
+            ctypes.memmove(d, s, n)
+            total += n
+        with self._lock:
+            self.stats.batches += 1
+            self.stats.descriptors += len(copies)
+            self.stats.bytes_written += total
+            by_peer = self.stats.writes_by_peer
+            by_peer[peer_session] = by_peer.get(peer_session, 0) + 1
+
+    def _validate(
+        self,
+        peer_session: str,
+        src: AddressList,
+        dst: AddressList,
+        lengths: AddressList,
+    ) -> list[tuple[int, int, int]]:
+        if self._closed:
+            raise TransferError(peer_session, _FAILED, f"engine {self._session_id} is closed")
+        try:
+            srcs = as_address_list(src, what="src")
+            dsts = as_address_list(dst, what="dst")
+            lens = as_address_list(lengths, what="lengths")
+        except TypeError as exc:
+            raise TransferError(peer_session, _FAILED, str(exc)) from None
+        if not len(srcs) == len(dsts) == len(lens):
+            raise TransferError(
+                peer_session,
+                _FAILED,
+                f"batch columns differ in length: {len(srcs)} src, {len(dsts)} dst, "
+                f"{len(lens)} lengths",
+            )
+        peer = self._fabric.lookup(peer_session)
+        if peer is None or peer.closed:
+            raise TransferError(peer_session, _FAILED, "peer session is not reachable")
+        local, remote = self.regions(), peer.regions()
+        copies: list[tuple[int, int, int]] = []
+        for s, d, n in zip(srcs, dsts, lens, strict=True):
+            if n < 0:
+                raise TransferError(peer_session, _FAILED, f"negative length {n}")
+            if n == 0:
+                continue
+            if not _find_region(local, s, n):
+                raise TransferError(
+                    peer_session,
+                    _FAILED,
+                    f"source {s:#x}+{n} is not within a region registered by {self._session_id}",
+                )
+            if not _find_region(remote, d, n):
+                raise TransferError(
+                    peer_session,
+                    _FAILED,
+                    f"remote-supplied address {d:#x}+{n} is not within any registered buffer",
+                )
+            copies.append((s, d, n))
+        return copies
+
+    def close(self) -> None:
+        """Leave the fabric; writes to this engine now fail as to a dead peer."""
+        if self._closed:
+            return
+        self._closed = True
+        self._fabric._detach(self._session_id)
+
+
+@final
+class AsyncFakeEngine:
+    """An :class:`tspd.engines.base.AsyncTransferEngine` over a :class:`FakeEngine`
+    whose latency and hangs are ``trio.sleep`` (virtual time under ``MockClock``).
+
+    A write that started is not abandoned when cancelled: the sleep is shielded,
+    as a real transfer referencing registered memory would run to its end.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        fabric: FakeFabric | None = None,
+        latency: float = 0.0,
+    ) -> None:
+        self.engine = FakeEngine(host, fabric=fabric)
+        self.latency = latency
+        self.in_flight = 0
+
+    @property
+    def session_id(self) -> str:
+        """The wrapped engine's session id."""
+        return self.engine.session_id
+
+    @property
+    def stats(self) -> FakeEngineStats:
+        """The wrapped engine's counters."""
+        return self.engine.stats
+
+    def register_memory(self, addr: int, length: int) -> None:
+        """As :meth:`FakeEngine.register_memory`."""
+        self.engine.register_memory(addr, length)
+
+    def unregister_memory(self, addr: int) -> None:
+        """As :meth:`FakeEngine.unregister_memory`."""
+        self.engine.unregister_memory(addr)
+
+    def fail_next(self, peer_session: str, count: int = 1, *, code: int = _FAILED) -> None:
+        """As :meth:`FakeEngine.fail_next`."""
+        self.engine.fail_next(peer_session, count, code=code)
+
+    def hang_next(self, peer_session: str, seconds: float, count: int = 1) -> None:
+        """As :meth:`FakeEngine.hang_next`, in ``trio`` time."""
+        self.engine.hang_next(peer_session, seconds, count)
+
+    async def batch_write(
+        self,
+        peer_session: str,
+        src: AddressList,
+        dst: AddressList,
+        lengths: AddressList,
+    ) -> None:
+        """Sleep the latency (or the injected hang) in Trio time, then copy."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        fault = self.engine._take_fault(peer_session)
+        stall = self.latency if fault is None else max(fault[0], self.latency)
+        self.in_flight += 1
+        try:
+            with trio.CancelScope(shield=True):
+                if stall > 0:
+                    await trio.sleep(stall)
+                self.engine._write_now(peer_session, src, dst, lengths, fault)
+        finally:
+            self.in_flight -= 1
+        # Yield without raising Cancelled: the write happened and its outcome must
+        # reach the caller, as with a thread that is never abandoned.
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def close(self) -> None:
+        """As :meth:`FakeEngine.close`."""
+        self.engine.close()
