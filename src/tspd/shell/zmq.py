@@ -1,0 +1,266 @@
+"""Trio adapter over pyzmq sockets: every tspd socket goes through :class:`TrioSocket`.
+
+pyzmq's socket FD cannot simply be awaited like a TCP socket, and the naive pattern
+("try NOBLOCK, else ``wait_readable(fd)``") hangs. The rules this module enforces:
+
+1. **The FD is edge-triggered and signals readability only.** It fires when the
+   socket's ``EVENTS`` change (for POLLIN *and* POLLOUT), and *any* call on the
+   socket -- send, recv, even ``getsockopt(EVENTS)`` -- can consume the edge.
+2. **One FD waiter per socket.** Trio allows one task in ``wait_readable`` per fd
+   (a second raises ``BusyResourceError``). The first task that must wait owns the
+   FD wait; every other waiting task parks on a :class:`trio.lowlevel.ParkingLot`
+   and retries its operation when the FD waiter wakes.
+3. **The kick.** After *every* successful send or receive we re-read ``EVENTS``; if
+   what some waiter wants (POLLIN or POLLOUT) is ready, we cancel the FD wait so the
+   waiter and the parked tasks retry. Without it a sender task consumes the edge of
+   a message that already arrived and a receiver task sleeps forever (measured:
+   DEALER with one sender and one receiver task hangs in 5 runs of 5).
+4. **Never lose a received message to cancellation.** A receive checks for
+   cancellation *before* touching the socket; once a message is taken off the
+   socket it is returned through a cancel-shielded checkpoint, so a cancel that
+   arrives then is delivered at the caller's next checkpoint instead.
+5. **Batch drain.** :meth:`TrioSocket.recv_batch` takes every queued message (up to
+   ``max_msgs``) with one yield to the scheduler; on this machine that reaches the
+   throughput of a plain sync loop, against about half of it one message at a time.
+   Cap ``max_msgs`` where other tasks need to run often.
+6. **Closing** notifies Trio (``notify_closing``, so a task blocked on the FD gets
+   ``ClosedResourceError`` instead of waiting on a recycled descriptor) and closes
+   with ``linger=0`` by default: a closed tspd socket never keeps the process alive.
+
+Every socket is owned by one Trio run; its methods are not thread-safe. Use
+:func:`bind_free_port` to bind to ``127.0.0.1`` on a port the OS chooses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Final, Self, final
+
+import trio
+import zmq
+
+__all__ = ["TrioSocket", "bind_free_port", "open_socket"]
+
+_POLLIN: Final = zmq.POLLIN
+_POLLOUT: Final = zmq.POLLOUT
+
+Frames = Sequence[bytes | bytearray | memoryview | zmq.Frame]
+
+
+@final
+class TrioSocket:
+    """A pyzmq socket driven from Trio without a thread.
+
+    Several tasks may send and receive on one socket concurrently (for example a
+    ROUTER with one receiving task and several replying tasks); the adapter keeps a
+    single FD waiter and wakes the others as described in the module docstring.
+    """
+
+    __slots__ = ("_closed", "_fd", "_fd_waiter", "_lot", "_want", "sock")
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self.sock: zmq.Socket[bytes] = sock
+        fd = sock.getsockopt(zmq.FD)
+        assert isinstance(fd, int)
+        self._fd: int = fd
+        # CancelScope of the one task inside wait_readable(fd), if any.
+        self._fd_waiter: trio.CancelScope | None = None
+        # Tasks waiting while another task holds the FD wait.
+        self._lot = trio.lowlevel.ParkingLot()
+        # How many tasks currently wait for each direction.
+        self._want: dict[int, int] = {_POLLIN: 0, _POLLOUT: 0}
+        self._closed = False
+
+    # -- waiting -----------------------------------------------------------------
+
+    async def _wait(self, event: int) -> None:
+        """Wait until the socket may have become ready for ``event``; the caller retries."""
+        if self._closed:
+            raise trio.ClosedResourceError("the ZMQ socket was closed")
+        self._want[event] += 1
+        try:
+            if self._fd_waiter is not None:
+                await self._lot.park()
+                return
+            with trio.CancelScope() as scope:
+                self._fd_waiter = scope
+                try:
+                    # Re-check after taking the waiter role: an earlier call may have
+                    # consumed the edge of the very event we want.
+                    if not self._ready_for(event):
+                        await trio.lowlevel.wait_readable(self._fd)
+                finally:
+                    self._fd_waiter = None
+                    self._lot.unpark_all()
+        finally:
+            self._want[event] -= 1
+        if self._closed:
+            raise trio.ClosedResourceError("the ZMQ socket was closed")
+
+    def _ready_for(self, event: int) -> bool:
+        if self._closed:
+            return True
+        return bool(self._events() & event)
+
+    def _events(self) -> int:
+        events = self.sock.getsockopt(zmq.EVENTS)
+        assert isinstance(events, int)
+        return events
+
+    def _kick(self) -> None:
+        """After a successful op: wake the FD waiter if what any waiter wants is ready."""
+        if self._fd_waiter is None:
+            return
+        events = self._events()
+        if (events & _POLLIN and self._want[_POLLIN]) or (
+            events & _POLLOUT and self._want[_POLLOUT]
+        ):
+            self._fd_waiter.cancel()
+
+    # -- receiving ---------------------------------------------------------------
+
+    async def recv_multipart(self) -> list[bytes]:
+        """Receive one multipart message; a message taken off the socket is never lost."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            self._check_open()
+            try:
+                msg = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                await self._wait(_POLLIN)
+                continue
+            self._kick()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return msg
+
+    async def recv_batch(self, max_msgs: int = 256) -> list[list[bytes]]:
+        """Receive every queued message, at least one and at most ``max_msgs``."""
+        if max_msgs < 1:
+            raise ValueError(f"max_msgs must be at least 1, got {max_msgs}")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        out: list[list[bytes]] = []
+        while True:
+            self._check_open()
+            try:
+                while len(out) < max_msgs:
+                    out.append(self.sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                if not out:
+                    await self._wait(_POLLIN)
+                    continue
+            self._kick()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return out
+
+    def recv_multipart_nowait(self) -> list[bytes] | None:
+        """Receive one message if one is queued, else return ``None`` (never blocks)."""
+        self._check_open()
+        try:
+            msg = self.sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        self._kick()
+        return msg
+
+    # -- sending -----------------------------------------------------------------
+
+    async def send_multipart(self, frames: Frames) -> None:
+        """Send one multipart message, waiting while the socket is at its high-water mark.
+
+        Cancellation is honoured only before the message is queued: once sent, the
+        call returns through a shielded checkpoint, so "cancelled" means "not sent".
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            self._check_open()
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                await self._wait(_POLLOUT)
+                continue
+            self._kick()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+
+    def send_multipart_nowait(self, frames: Frames) -> bool:
+        """Send one message without waiting; return ``False`` if the socket is full.
+
+        A ROUTER with ``ROUTER_MANDATORY`` unset silently drops messages to unknown
+        peers and returns ``True``; a PUB drops at its high-water mark and returns
+        ``True`` as well (that is libzmq's contract for those socket types).
+        """
+        self._check_open()
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        self._kick()
+        return True
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("the ZMQ socket was closed")
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closed
+
+    def close(self, linger: int = 0) -> None:
+        """Close now; queued outgoing messages are dropped unless ``linger`` (ms) > 0.
+
+        Tasks blocked in this socket's operations wake with ``ClosedResourceError``.
+        Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        trio.lowlevel.notify_closing(self._fd)
+        self._lot.unpark_all()
+        self.sock.close(linger=linger)
+
+    async def aclose(self) -> None:
+        """Close with ``linger=0`` and checkpoint (Trio's ``AsyncResource`` protocol)."""
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = "closed" if self._closed else f"fd={self._fd}"
+        return f"<TrioSocket {self.sock.socket_type} {kind}>"
+
+
+def open_socket(ctx: zmq.Context[zmq.Socket[bytes]], socket_type: int) -> TrioSocket:
+    """Create a socket of ``socket_type`` on ``ctx`` with ``linger=0`` and wrap it."""
+    sock = ctx.socket(socket_type)
+    sock.setsockopt(zmq.LINGER, 0)
+    return TrioSocket(sock)
+
+
+def bind_free_port(sock: TrioSocket | zmq.Socket[bytes], host: str = "127.0.0.1") -> int:
+    """Bind ``sock`` to ``tcp://host:<free port>`` and return the port the OS chose.
+
+    ``host`` is explicit and defaults to loopback: tspd never binds a wildcard address
+    unless the caller asks for one.
+    """
+    raw = sock.sock if isinstance(sock, TrioSocket) else sock
+    raw.bind(f"tcp://{host}:0")
+    endpoint = raw.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(endpoint, bytes)
+    port = int(endpoint.rsplit(b":", 1)[1])
+    if not 0 < port < 65536:
+        raise OSError(f"ZMQ reported an unusable bound endpoint {endpoint!r}")
+    return port
