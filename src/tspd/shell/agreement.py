@@ -1,0 +1,212 @@
+"""Replica agreement: the element-wise MIN of poll values over one TP group (spec §7.7).
+
+Every rank of a Prefill (or Decode) attention-TP group registers the same
+requests in the same order and polls once per scheduler iteration; the poll's
+per-request values are agreed by MIN so that any rank's ``Failed`` fails the
+request everywhere and every rank must reach ``Bootstrapped``/``Success`` before
+the scheduler moves on.
+
+Implementations:
+
+* :class:`SingleRank` — a group of one: the values are the agreement.
+* :class:`ZmqAgreement` — several ranks as separate processes. Each rank binds a
+  PULL socket and connects a PUSH to every other rank; a round sends this rank's
+  values to all the others and waits for theirs (one hop, no leader). Messages
+  carry the round number, so a fast rank's next round waits in a buffer instead of
+  mixing with the current one.
+
+An adapter for a host's ``torch.distributed`` group fits the same
+:class:`ReplicaAgreement` protocol.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Final, Protocol, Self, final
+
+import numpy as np
+import trio
+import zmq
+
+from tspd.core.errors import ConfigError, ProtocolError, TspdError, WireError
+from tspd.shell.zmq import TrioSocket, open_socket
+
+__all__ = ["AgreementError", "ReplicaAgreement", "SingleRank", "ZmqAgreement"]
+
+_MAGIC: Final = b"tspd-agree-v1"
+_HEADER: Final = struct.Struct("<QI")  # round, rank
+_CLOSE_LINGER_MS: Final = 500
+
+
+class AgreementError(TspdError):
+    """A replica agreement round could not complete (a rank is gone or out of step)."""
+
+
+class ReplicaAgreement(Protocol):
+    """Agree on a list of poll values with the other ranks of a TP group."""
+
+    @property
+    def group_size(self) -> int:
+        """How many ranks take part."""
+        ...
+
+    async def agree(self, values: Sequence[int]) -> list[int]:
+        """The element-wise MIN of ``values`` over every rank of the group.
+
+        Every rank calls this once per poll with a list of the same length (the
+        same tracked requests, in the same order).
+        """
+        ...
+
+
+@final
+class SingleRank:
+    """The agreement of a group of one rank: the values themselves."""
+
+    group_size = 1
+
+    async def agree(self, values: Sequence[int]) -> list[int]:
+        """Return ``values`` unchanged (after a checkpoint, like any async call)."""
+        await trio.lowlevel.checkpoint()
+        return list(values)
+
+
+def _encode(round_no: int, rank: int, values: Sequence[int]) -> list[bytes]:
+    return [
+        _MAGIC,
+        _HEADER.pack(round_no, rank),
+        np.asarray(values, dtype="<i8").tobytes(),
+    ]
+
+
+def _decode(frames: Sequence[bytes]) -> tuple[int, int, list[int]]:
+    if len(frames) != 3 or frames[0] != _MAGIC or len(frames[1]) != _HEADER.size:
+        raise WireError("replica agreement message is malformed")
+    if len(frames[2]) % 8:
+        raise WireError("replica agreement values frame is not a whole number of int64")
+    round_no, rank = _HEADER.unpack(frames[1])
+    return round_no, rank, np.frombuffer(frames[2], dtype="<i8").tolist()
+
+
+@final
+class ZmqAgreement:
+    """MIN agreement among ``len(endpoints)`` ranks over ZMQ PUSH/PULL.
+
+    ``endpoints[i]`` is the ``tcp://host:port`` rank ``i`` binds its PULL socket
+    to; every rank gets the same list. Use it as an async context manager (it
+    owns its sockets); ``timeout`` bounds one round, so a dead rank turns into an
+    :class:`AgreementError` instead of a hang.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        endpoints: Sequence[str],
+        *,
+        timeout: float = 30.0,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        if not endpoints:
+            raise ConfigError("a ZMQ replica agreement needs at least one rank endpoint")
+        if not 0 <= rank < len(endpoints):
+            raise ConfigError(
+                f"replica agreement rank {rank} is outside [0, {len(endpoints)}) endpoints"
+            )
+        self.rank = rank
+        self.endpoints = tuple(endpoints)
+        self.timeout = timeout
+        self._context = context or zmq.Context.instance()
+        self._pull: TrioSocket | None = None
+        self._pushes: dict[int, TrioSocket] = {}
+        self._round = 0
+        self._pending: dict[int, dict[int, list[int]]] = {}
+        self._lock = trio.Lock()
+
+    @property
+    def group_size(self) -> int:
+        """How many ranks take part."""
+        return len(self.endpoints)
+
+    async def __aenter__(self) -> Self:
+        pull = open_socket(self._context, zmq.PULL)
+        try:
+            pull.sock.bind(self.endpoints[self.rank])
+            for other, endpoint in enumerate(self.endpoints):
+                if other != self.rank:
+                    push = open_socket(self._context, zmq.PUSH)
+                    self._pushes[other] = push
+                    push.sock.connect(endpoint)
+        except BaseException:
+            pull.close()
+            for push in self._pushes.values():
+                push.close()
+            self._pushes.clear()
+            raise
+        self._pull = pull
+        await trio.lowlevel.checkpoint()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every socket; idempotent."""
+        if self._pull is not None:
+            self._pull.close()
+            self._pull = None
+        for push in self._pushes.values():
+            # Linger briefly: this rank's last round may still be on its way to a
+            # rank that has not finished that round yet.
+            push.close(linger=_CLOSE_LINGER_MS)
+        self._pushes.clear()
+
+    async def agree(self, values: Sequence[int]) -> list[int]:
+        """The element-wise MIN over every rank (see :class:`ReplicaAgreement`)."""
+        async with self._lock:
+            if self._pull is None:
+                raise AgreementError(
+                    "the replica agreement is not open; use it as `async with ZmqAgreement(...)`"
+                )
+            round_no = self._round
+            self._round += 1
+            frames = _encode(round_no, self.rank, values)
+            for push in self._pushes.values():
+                await push.send_multipart(frames)
+            result = list(values)
+            with trio.move_on_after(self.timeout) as scope:
+                while len(self._pending.get(round_no, {})) < len(self._pushes):
+                    for message in await self._pull.recv_batch(64):
+                        self._accept(message)
+            got = self._pending.pop(round_no, {})
+            if scope.cancelled_caught:
+                missing = sorted(set(self._pushes) - set(got))
+                raise AgreementError(
+                    f"replica agreement round {round_no} on rank {self.rank} timed out "
+                    f"after {self.timeout:.1f}s waiting for ranks {missing}; check that every "
+                    "rank of the TP group is alive and polling"
+                )
+            for other, theirs in got.items():
+                if len(theirs) != len(result):
+                    raise ProtocolError(
+                        f"replica agreement round {round_no}: rank {other} polled "
+                        f"{len(theirs)} requests, rank {self.rank} polled {len(result)}; "
+                        "every rank must register the same requests in the same order"
+                    )
+                result = [min(a, b) for a, b in zip(result, theirs, strict=True)]
+            return result
+
+    def _accept(self, frames: Sequence[bytes]) -> None:
+        try:
+            round_no, rank, values = _decode(frames)
+        except WireError:
+            return
+        if round_no < self._round - 1 or rank == self.rank or rank not in self._pushes:
+            return
+        self._pending.setdefault(round_no, {})[rank] = values
