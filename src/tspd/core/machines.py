@@ -1,0 +1,342 @@
+"""The state machines of tspd, declared once as plain data and compiled to lookup tables.
+
+Each machine is a :class:`MachineDeclaration` written in the vocabulary of the
+``transitions`` package (``states``, ``initial`` and a list of
+``{"trigger", "source", "dest"}`` dicts) so that ``transitions.Machine(**decl.as_kwargs())``
+and its diagram support accept it unchanged. The core itself never imports
+``transitions``: a ``Machine`` costs ~7.5 µs a trigger against ~0.2 µs for a dict
+lookup (``notes/environment.md`` §5), so the hot path uses :class:`CompiledMachine`,
+a ``{(state, trigger): next_state}`` table built from the same declaration.
+``tests/core/test_machines.py`` drives a real ``transitions.Machine`` and the
+compiled table through every (state, trigger) pair and requires identical outcomes.
+
+Machines (spec §7.3, §7.5, §7.9.3):
+
+* :data:`PREFILL_ROOM` — one room on one Prefill rank.
+* :data:`DECODE_ROOM` — one room on one Decode rank.
+* :data:`PREFILL_ADDRESS_HEALTH` — a Decode rank's view of one Prefill bootstrap
+  address, driven by heartbeats.
+
+Room rules kept by the tables: ``Failed`` is sticky (every trigger from ``Failed``
+stays ``Failed``, except ``forget``, which ends the room); other progress is
+monotonic (no trigger moves a room back to an earlier status); a terminal room is
+forgotten (``forget`` → ``Absent``, i.e. no entry at all). A (state, trigger) pair
+missing from a table is a driver bug and raises :class:`~tspd.core.errors.ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final
+
+from tspd.core.errors import ProtocolError
+from tspd.core.poll import TransferPoll
+
+__all__ = [
+    "DECODE_ROOM",
+    "DECODE_ROOM_TABLE",
+    "PREFILL_ADDRESS_HEALTH",
+    "PREFILL_ADDRESS_HEALTH_TABLE",
+    "PREFILL_ROOM",
+    "PREFILL_ROOM_TABLE",
+    "AddressHealth",
+    "CompiledMachine",
+    "DecodeTrigger",
+    "HealthTrigger",
+    "MachineDeclaration",
+    "PrefillTrigger",
+    "RoomState",
+    "compile_machine",
+]
+
+
+class RoomState(enum.StrEnum):
+    """A room's state on either side. ``ABSENT`` means "no entry": the room was never
+    seen, or it ended and was forgotten. The others are the :class:`TransferPoll`
+    values that are ever set (``Transferring`` never is, spec §7.1)."""
+
+    ABSENT = "Absent"
+    BOOTSTRAPPING = "Bootstrapping"
+    BOOTSTRAPPED = "Bootstrapped"
+    WAITING_FOR_INPUT = "WaitingForInput"
+    SUCCESS = "Success"
+    FAILED = "Failed"
+
+    @property
+    def poll(self) -> TransferPoll | None:
+        """The status this state reports in polls and on the wire; ``None`` when absent."""
+        return _POLL_OF_STATE[self]
+
+
+_POLL_OF_STATE: Final[Mapping[RoomState, TransferPoll | None]] = MappingProxyType(
+    {
+        RoomState.ABSENT: None,
+        RoomState.BOOTSTRAPPING: TransferPoll.BOOTSTRAPPING,
+        RoomState.BOOTSTRAPPED: TransferPoll.BOOTSTRAPPED,
+        RoomState.WAITING_FOR_INPUT: TransferPoll.WAITING_FOR_INPUT,
+        RoomState.SUCCESS: TransferPoll.SUCCESS,
+        RoomState.FAILED: TransferPoll.FAILED,
+    }
+)
+
+
+class PrefillTrigger(enum.StrEnum):
+    """What happens to a room on a Prefill rank (spec §7.3)."""
+
+    #: The scheduler registered the room's request on this rank.
+    REGISTER = "register"
+    #: A pre-allocation was accepted; the room's destination set is not complete yet.
+    PREALLOCATE = "preallocate"
+    #: A pre-allocation completed a valid destination fan-out.
+    FANOUT_COMPLETE = "fanout_complete"
+    #: Every write of the room is done and its destinations were told.
+    TRANSFER_SUCCEEDED = "transfer_succeeded"
+    #: Abort, transfer failure, rejected session or invalid pre-allocation.
+    FAIL = "fail"
+    #: The poll saw the request bootstrapping for longer than the bootstrap timeout:
+    #: the request concludes ``Failed`` but the room's status is left alone.
+    BOOTSTRAP_TIMEOUT = "bootstrap_timeout"
+    #: The room ended (terminal event processed, or unclaimed past its TTL).
+    FORGET = "forget"
+
+
+class DecodeTrigger(enum.StrEnum):
+    """What happens to a room on a Decode rank (spec §7.5)."""
+
+    #: The scheduler registered the request (its receiver was created).
+    REGISTER = "register"
+    #: The route is planned, every target's info is known and registrations went out.
+    ROUTED = "routed"
+    #: The manifest was validated and every pre-allocation went out.
+    PREALLOCATED = "preallocated"
+    #: ``Success`` from an expected Prefill rank; the completion set is not full yet.
+    RANK_DONE = "rank_done"
+    #: ``Success`` completing the expected Prefill rank set.
+    COMPLETED = "completed"
+    #: Any failure with a reason (bootstrap fetches, planning, status, wrong rank...).
+    FAIL = "fail"
+    #: The heartbeat declared the room's Prefill address dead.
+    PREFILL_LOST = "prefill_lost"
+    #: The poll saw the request waiting for input longer than the waiting timeout.
+    WAITING_TIMEOUT = "waiting_timeout"
+    #: The room ended (terminal event processed).
+    FORGET = "forget"
+
+
+class AddressHealth(enum.StrEnum):
+    """A Prefill bootstrap address as a Decode rank's heartbeat sees it (spec §7.9.3)."""
+
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+
+
+class HealthTrigger(enum.StrEnum):
+    """Heartbeat outcomes for one Prefill bootstrap address."""
+
+    #: ``GET /health`` answered 200: the failure count resets.
+    BEAT_OK = "beat_ok"
+    #: A heartbeat failed, still below the maximum consecutive failures.
+    BEAT_FAILED = "beat_failed"
+    #: The consecutive failures reached the maximum: the address is dead.
+    GIVE_UP = "give_up"
+
+
+@dataclass(frozen=True, slots=True)
+class MachineDeclaration:
+    """A state machine as plain data in ``transitions``' vocabulary.
+
+    ``transitions`` holds one ``{"trigger", "source", "dest"}`` dict per allowed
+    (source, trigger) pair; a pair not listed is not allowed.
+    """
+
+    name: str
+    states: tuple[str, ...]
+    initial: str
+    triggers: tuple[str, ...]
+    transitions: tuple[Mapping[str, str], ...]
+
+    def as_kwargs(self) -> dict[str, object]:
+        """Keyword arguments for ``transitions.Machine``: fresh lists and dicts."""
+        return {
+            "states": list(self.states),
+            "transitions": [dict(t) for t in self.transitions],
+            "initial": self.initial,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledMachine:
+    """The hot-path form of a :class:`MachineDeclaration`: one dict lookup per trigger."""
+
+    name: str
+    states: frozenset[str]
+    triggers: frozenset[str]
+    table: Mapping[tuple[str, str], str]
+
+    def allowed(self, state: str, trigger: str) -> bool:
+        """Whether ``trigger`` may fire in ``state``."""
+        return (state, trigger) in self.table
+
+    def fire(self, state: str, trigger: str) -> str:
+        """The state ``trigger`` leads to from ``state``.
+
+        Raises :class:`ProtocolError` when the pair is not allowed: the caller drove
+        the machine out of order, which is a bug in the caller, not in a peer.
+        """
+        try:
+            return self.table[(state, trigger)]
+        except KeyError:
+            raise ProtocolError(
+                f"{self.name}: trigger {str(trigger)!r} is not allowed in state {str(state)!r}"
+            ) from None
+
+
+def compile_machine(declaration: MachineDeclaration) -> CompiledMachine:
+    """Build the lookup table of ``declaration``, checking it is well formed."""
+    states = frozenset(declaration.states)
+    triggers = frozenset(declaration.triggers)
+    if declaration.initial not in states:
+        raise ProtocolError(f"{declaration.name}: initial state is not declared")
+    table: dict[tuple[str, str], str] = {}
+    for transition in declaration.transitions:
+        source, trigger, dest = transition["source"], transition["trigger"], transition["dest"]
+        if source not in states or dest not in states or trigger not in triggers:
+            raise ProtocolError(f"{declaration.name}: undeclared name in {dict(transition)}")
+        if (source, trigger) in table:
+            raise ProtocolError(f"{declaration.name}: {trigger!r} from {source!r} is ambiguous")
+        table[(source, trigger)] = dest
+    return CompiledMachine(declaration.name, states, triggers, MappingProxyType(table))
+
+
+def _declare(
+    name: str,
+    states: Iterable[enum.StrEnum],
+    initial: enum.StrEnum,
+    triggers: type[enum.StrEnum],
+    moves: Mapping[enum.StrEnum, Mapping[enum.StrEnum, enum.StrEnum]],
+) -> MachineDeclaration:
+    """Flatten ``{trigger: {source: dest}}`` into ``transitions``' list of dicts."""
+    transitions = tuple(
+        {"trigger": str(trigger), "source": str(source), "dest": str(dest)}
+        for trigger, edges in moves.items()
+        for source, dest in edges.items()
+    )
+    return MachineDeclaration(
+        name=name,
+        states=tuple(str(s) for s in states),
+        initial=str(initial),
+        triggers=tuple(str(t) for t in triggers),
+        transitions=transitions,
+    )
+
+
+_S = RoomState
+_P = PrefillTrigger
+_D = DecodeTrigger
+
+#: Every room state but ``Absent``: the states that have an entry.
+_KNOWN: Final = (
+    _S.BOOTSTRAPPING,
+    _S.BOOTSTRAPPED,
+    _S.WAITING_FOR_INPUT,
+    _S.SUCCESS,
+    _S.FAILED,
+)
+_PREFILL_KNOWN: Final = (_S.BOOTSTRAPPING, _S.BOOTSTRAPPED, _S.SUCCESS, _S.FAILED)
+
+#: A Prefill rank's room (spec §7.3). ``WaitingForInput`` is never set on Prefill,
+#: so the declaration does not list it.
+PREFILL_ROOM: Final[MachineDeclaration] = _declare(
+    "PrefillRoom",
+    (_S.ABSENT, *_PREFILL_KNOWN),
+    _S.ABSENT,
+    PrefillTrigger,
+    {
+        # Monotonic: pre-allocations may have completed the room first.
+        _P.REGISTER: {
+            _S.ABSENT: _S.BOOTSTRAPPING,
+            _S.BOOTSTRAPPING: _S.BOOTSTRAPPING,
+            _S.BOOTSTRAPPED: _S.BOOTSTRAPPED,
+            _S.SUCCESS: _S.SUCCESS,
+            _S.FAILED: _S.FAILED,
+        },
+        # The destination is stored; the status is unchanged (or still absent).
+        _P.PREALLOCATE: {
+            _S.ABSENT: _S.ABSENT,
+            _S.BOOTSTRAPPING: _S.BOOTSTRAPPING,
+            _S.FAILED: _S.FAILED,
+        },
+        _P.FANOUT_COMPLETE: {
+            _S.ABSENT: _S.BOOTSTRAPPED,
+            _S.BOOTSTRAPPING: _S.BOOTSTRAPPED,
+            _S.FAILED: _S.FAILED,
+        },
+        _P.TRANSFER_SUCCEEDED: {_S.BOOTSTRAPPED: _S.SUCCESS, _S.FAILED: _S.FAILED},
+        # Failed always wins, even over Success, and even before any state.
+        _P.FAIL: {s: _S.FAILED for s in (_S.ABSENT, *_PREFILL_KNOWN)},
+        _P.BOOTSTRAP_TIMEOUT: {_S.BOOTSTRAPPING: _S.BOOTSTRAPPING, _S.FAILED: _S.FAILED},
+        _P.FORGET: {s: _S.ABSENT for s in (_S.ABSENT, *_PREFILL_KNOWN)},
+    },
+)
+
+#: A Decode rank's room (spec §7.5).
+DECODE_ROOM: Final[MachineDeclaration] = _declare(
+    "DecodeRoom",
+    (_S.ABSENT, *_KNOWN),
+    _S.ABSENT,
+    DecodeTrigger,
+    {
+        _D.REGISTER: {_S.ABSENT: _S.BOOTSTRAPPING, _S.FAILED: _S.FAILED},
+        _D.ROUTED: {_S.BOOTSTRAPPING: _S.BOOTSTRAPPED, _S.FAILED: _S.FAILED},
+        _D.PREALLOCATED: {_S.BOOTSTRAPPED: _S.WAITING_FOR_INPUT, _S.FAILED: _S.FAILED},
+        # A partial completion changes nothing but the completion set.
+        _D.RANK_DONE: {s: s for s in _KNOWN},
+        _D.COMPLETED: {
+            _S.BOOTSTRAPPING: _S.SUCCESS,
+            _S.BOOTSTRAPPED: _S.SUCCESS,
+            _S.WAITING_FOR_INPUT: _S.SUCCESS,
+            _S.SUCCESS: _S.SUCCESS,
+            _S.FAILED: _S.FAILED,
+        },
+        _D.FAIL: {s: _S.FAILED for s in _KNOWN},
+        # A room that already succeeded keeps its KV when its Prefill dies.
+        _D.PREFILL_LOST: {
+            _S.BOOTSTRAPPING: _S.FAILED,
+            _S.BOOTSTRAPPED: _S.FAILED,
+            _S.WAITING_FOR_INPUT: _S.FAILED,
+            _S.SUCCESS: _S.SUCCESS,
+            _S.FAILED: _S.FAILED,
+        },
+        _D.WAITING_TIMEOUT: {
+            _S.WAITING_FOR_INPUT: _S.WAITING_FOR_INPUT,
+            _S.FAILED: _S.FAILED,
+        },
+        _D.FORGET: {s: _S.ABSENT for s in (_S.ABSENT, *_KNOWN)},
+    },
+)
+
+_H = AddressHealth
+_T = HealthTrigger
+
+#: A Prefill bootstrap address seen from a Decode rank's heartbeat (spec §7.9.3).
+#: ``dead`` is terminal: the address's cached info and room tracker are dropped,
+#: and the next request for it starts a fresh, ``healthy`` entry.
+PREFILL_ADDRESS_HEALTH: Final[MachineDeclaration] = _declare(
+    "PrefillAddressHealth",
+    AddressHealth,
+    _H.HEALTHY,
+    HealthTrigger,
+    {
+        _T.BEAT_OK: {_H.HEALTHY: _H.HEALTHY, _H.SUSPECT: _H.HEALTHY},
+        _T.BEAT_FAILED: {_H.HEALTHY: _H.SUSPECT, _H.SUSPECT: _H.SUSPECT},
+        _T.GIVE_UP: {_H.HEALTHY: _H.DEAD, _H.SUSPECT: _H.DEAD},
+    },
+)
+
+PREFILL_ROOM_TABLE: Final[CompiledMachine] = compile_machine(PREFILL_ROOM)
+DECODE_ROOM_TABLE: Final[CompiledMachine] = compile_machine(DECODE_ROOM)
+PREFILL_ADDRESS_HEALTH_TABLE: Final[CompiledMachine] = compile_machine(PREFILL_ADDRESS_HEALTH)

@@ -1,0 +1,127 @@
+"""Room status tables (spec §7.2): one per rank, keyed by ``bootstrap_room``.
+
+A :class:`RoomTable` holds each known room's :class:`~tspd.core.machines.RoomState`
+and at most one failure reason. Every state change goes through the room's compiled
+machine (:mod:`tspd.core.machines`), so the table inherits its rules:
+
+* ``Failed`` is sticky: a late success never resurrects a failed room;
+* other progress is monotonic;
+* the **first** failure reason wins (a later abort, or a worker error for a room
+  that already failed, never replaces it), and it is the reason the peer hears;
+* a room that ends is forgotten entirely — state and reason — so the table holds
+  nothing once its rooms have ended (:meth:`RoomTable.__len__`).
+
+The table is not thread-safe: the shell owns it from one task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from tspd.core.machines import CompiledMachine, RoomState
+from tspd.core.poll import TransferPoll
+
+__all__ = ["RoomTable"]
+
+_FAIL = "fail"
+_FORGET = "forget"
+
+
+class RoomTable:
+    """Room states and failure reasons of one rank, driven through ``machine``.
+
+    ``machine`` must declare the triggers ``fail`` and ``forget`` (both room machines
+    do).
+    """
+
+    __slots__ = ("_machine", "_reasons", "_states")
+
+    def __init__(self, machine: CompiledMachine) -> None:
+        self._machine = machine
+        self._states: dict[int, RoomState] = {}
+        self._reasons: dict[int, str] = {}
+
+    def state(self, room: int) -> RoomState:
+        """The room's state; ``ABSENT`` when it has no entry."""
+        return self._states.get(room, RoomState.ABSENT)
+
+    def status(self, room: int) -> TransferPoll | None:
+        """The room's :class:`TransferPoll`, or ``None`` when it has no entry."""
+        return self.state(room).poll
+
+    def poll(self, room: int) -> TransferPoll:
+        """The value a scheduler poll reads: an absent room reads as ``FAILED``
+        (R-pd's poll; S1 would raise)."""
+        return self.status(room) or TransferPoll.FAILED
+
+    def ended(self, room: int) -> bool:
+        """Whether the room is absent or ``Failed``: nothing more may be sent for it."""
+        return self.state(room) in (RoomState.ABSENT, RoomState.FAILED)
+
+    def allowed(self, room: int, trigger: str) -> bool:
+        """Whether ``trigger`` may fire for the room now."""
+        return self._machine.allowed(self.state(room), trigger)
+
+    def fire(self, room: int, trigger: str) -> RoomState:
+        """Apply ``trigger`` to the room and return its new state.
+
+        Raises :class:`~tspd.core.errors.ProtocolError` (state unchanged) when the
+        machine does not allow it. A room whose new state is ``ABSENT`` is forgotten
+        together with its reason.
+        """
+        new = RoomState(self._machine.fire(self.state(room), trigger))
+        if new is RoomState.ABSENT:
+            self._states.pop(room, None)
+            self._reasons.pop(room, None)
+        else:
+            self._states[room] = new
+        return new
+
+    def record_failure(self, room: int, reason: str) -> bool:
+        """Keep ``reason`` unless the room already has one; ``True`` if it was kept.
+
+        Used alone where the request concludes ``Failed`` but the room's status is
+        left alone (bootstrap and waiting timeouts), and by :meth:`fail`.
+        """
+        if room in self._reasons:
+            return False
+        self._reasons[room] = reason
+        return True
+
+    def fail(self, room: int, reason: str) -> bool:
+        """Fail the room with ``reason`` (first reason wins).
+
+        Returns ``True`` when this call failed the room (it was not ``Failed``
+        before), so callers count a failure once per room and notify peers once.
+        """
+        newly = self.state(room) is not RoomState.FAILED
+        self.record_failure(room, reason)
+        self.fire(room, _FAIL)
+        return newly
+
+    def failure(self, room: int) -> str | None:
+        """The room's failure reason, if one was recorded."""
+        return self._reasons.get(room)
+
+    def forget(self, room: int) -> None:
+        """End the room: drop its state and reason."""
+        self.fire(room, _FORGET)
+        # A reason recorded for a room that never had a state is dropped too.
+        self._reasons.pop(room, None)
+
+    def rooms(self) -> Iterator[int]:
+        """The rooms with an entry, in insertion order."""
+        return iter(list(self._states))
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._states
+
+    def __len__(self) -> int:
+        return len(self._states) + sum(1 for r in self._reasons if r not in self._states)
+
+    def counts(self) -> dict[str, int]:
+        """Rooms per state name, for ``statistics()`` and metrics."""
+        counts: dict[str, int] = {}
+        for state in self._states.values():
+            counts[state.value] = counts.get(state.value, 0) + 1
+        return counts

@@ -1,0 +1,175 @@
+"""The compiled machine tables agree with a real ``transitions.Machine`` on every pair."""
+
+from __future__ import annotations
+
+import pytest
+from transitions import Machine, MachineError
+
+from tspd.core.errors import ProtocolError
+from tspd.core.machines import (
+    DECODE_ROOM,
+    DECODE_ROOM_TABLE,
+    PREFILL_ADDRESS_HEALTH,
+    PREFILL_ADDRESS_HEALTH_TABLE,
+    PREFILL_ROOM,
+    PREFILL_ROOM_TABLE,
+    CompiledMachine,
+    DecodeTrigger,
+    MachineDeclaration,
+    PrefillTrigger,
+    RoomState,
+    compile_machine,
+)
+from tspd.core.poll import TransferPoll
+
+MACHINES = [
+    pytest.param(PREFILL_ROOM, PREFILL_ROOM_TABLE, id="prefill-room"),
+    pytest.param(DECODE_ROOM, DECODE_ROOM_TABLE, id="decode-room"),
+    pytest.param(PREFILL_ADDRESS_HEALTH, PREFILL_ADDRESS_HEALTH_TABLE, id="address-health"),
+]
+ROOM_MACHINES = MACHINES[:2]
+
+_NOT_ALLOWED = "not allowed"
+
+
+class _Model:
+    state: str
+
+
+def _via_transitions(declaration: MachineDeclaration, state: str, trigger: str) -> str:
+    model = _Model()
+    Machine(model=model, auto_transitions=False, **declaration.as_kwargs())  # type: ignore[arg-type]
+    model.state = state
+    try:
+        model.trigger(trigger)  # type: ignore[attr-defined]
+    except MachineError:
+        return _NOT_ALLOWED
+    return model.state
+
+
+def _via_table(table: CompiledMachine, state: str, trigger: str) -> str:
+    try:
+        return table.fire(state, trigger)
+    except ProtocolError:
+        return _NOT_ALLOWED
+
+
+@pytest.mark.parametrize(("declaration", "table"), MACHINES)
+def test_every_state_trigger_pair_matches_transitions(
+    declaration: MachineDeclaration, table: CompiledMachine
+) -> None:
+    checked = 0
+    for state in declaration.states:
+        for trigger in declaration.triggers:
+            expected = _via_transitions(declaration, state, trigger)
+            assert _via_table(table, state, trigger) == expected, (state, trigger)
+            assert table.allowed(state, trigger) == (expected != _NOT_ALLOWED)
+            checked += 1
+    assert checked == len(declaration.states) * len(declaration.triggers)
+
+
+@pytest.mark.parametrize(("declaration", "table"), ROOM_MACHINES)
+def test_failed_is_sticky_and_only_forget_ends_it(
+    declaration: MachineDeclaration, table: CompiledMachine
+) -> None:
+    for trigger in declaration.triggers:
+        expected = RoomState.ABSENT if trigger == "forget" else RoomState.FAILED
+        assert table.fire(RoomState.FAILED, trigger) == expected
+
+
+@pytest.mark.parametrize(("declaration", "table"), ROOM_MACHINES)
+def test_progress_is_monotonic_outside_failure_and_forget(
+    declaration: MachineDeclaration, table: CompiledMachine
+) -> None:
+    for (source, trigger), dest in table.table.items():
+        if trigger == "forget" or RoomState(dest) is RoomState.FAILED:
+            continue
+        before, after = RoomState(source).poll, RoomState(dest).poll
+        if before is None:
+            continue
+        assert after is not None
+        assert after >= before, (source, trigger, dest)
+
+
+@pytest.mark.parametrize(("declaration", "table"), ROOM_MACHINES)
+def test_every_room_state_can_fail_and_be_forgotten(
+    declaration: MachineDeclaration, table: CompiledMachine
+) -> None:
+    for state in declaration.states:
+        assert table.fire(state, "forget") == RoomState.ABSENT
+        if state != RoomState.ABSENT or declaration is PREFILL_ROOM:
+            assert table.fire(state, "fail") == RoomState.FAILED
+
+
+def test_prefill_room_happy_path_and_waiting_for_input_never_set() -> None:
+    state: str = RoomState.ABSENT
+    for trigger, expected in [
+        (PrefillTrigger.REGISTER, RoomState.BOOTSTRAPPING),
+        (PrefillTrigger.PREALLOCATE, RoomState.BOOTSTRAPPING),
+        (PrefillTrigger.FANOUT_COMPLETE, RoomState.BOOTSTRAPPED),
+        (PrefillTrigger.TRANSFER_SUCCEEDED, RoomState.SUCCESS),
+        (PrefillTrigger.FAIL, RoomState.FAILED),
+    ]:
+        state = PREFILL_ROOM_TABLE.fire(state, trigger)
+        assert state == expected
+    assert RoomState.WAITING_FOR_INPUT not in PREFILL_ROOM.states
+    # Pre-allocations completed the room before its request registered: monotonic.
+    assert PREFILL_ROOM_TABLE.fire(RoomState.BOOTSTRAPPED, PrefillTrigger.REGISTER) == (
+        RoomState.BOOTSTRAPPED
+    )
+
+
+def test_decode_room_happy_path() -> None:
+    state: str = RoomState.ABSENT
+    for trigger, expected in [
+        (DecodeTrigger.REGISTER, RoomState.BOOTSTRAPPING),
+        (DecodeTrigger.ROUTED, RoomState.BOOTSTRAPPED),
+        (DecodeTrigger.PREALLOCATED, RoomState.WAITING_FOR_INPUT),
+        (DecodeTrigger.RANK_DONE, RoomState.WAITING_FOR_INPUT),
+        (DecodeTrigger.COMPLETED, RoomState.SUCCESS),
+        (DecodeTrigger.PREFILL_LOST, RoomState.SUCCESS),
+    ]:
+        state = DECODE_ROOM_TABLE.fire(state, trigger)
+        assert state == expected
+
+
+def test_invalid_pair_raises_protocol_error_naming_machine_and_state() -> None:
+    with pytest.raises(ProtocolError, match=r"PrefillRoom: trigger 'transfer_succeeded'"):
+        PREFILL_ROOM_TABLE.fire(RoomState.BOOTSTRAPPING, PrefillTrigger.TRANSFER_SUCCEEDED)
+    with pytest.raises(ProtocolError, match="'Absent'"):
+        DECODE_ROOM_TABLE.fire(RoomState.ABSENT, DecodeTrigger.COMPLETED)
+
+
+def test_room_state_maps_to_transfer_poll() -> None:
+    assert RoomState.ABSENT.poll is None
+    assert RoomState.FAILED.poll is TransferPoll.FAILED
+    assert RoomState.WAITING_FOR_INPUT.poll is TransferPoll.WAITING_FOR_INPUT
+    assert RoomState.SUCCESS.poll is TransferPoll.SUCCESS
+
+
+def test_compile_rejects_malformed_declarations() -> None:
+    ambiguous = MachineDeclaration(
+        name="X",
+        states=("a", "b"),
+        initial="a",
+        triggers=("go",),
+        transitions=(
+            {"trigger": "go", "source": "a", "dest": "b"},
+            {"trigger": "go", "source": "a", "dest": "a"},
+        ),
+    )
+    with pytest.raises(ProtocolError, match="ambiguous"):
+        compile_machine(ambiguous)
+    undeclared = MachineDeclaration(
+        name="X",
+        states=("a",),
+        initial="a",
+        triggers=("go",),
+        transitions=({"trigger": "go", "source": "a", "dest": "z"},),
+    )
+    with pytest.raises(ProtocolError, match="undeclared"):
+        compile_machine(undeclared)
+    with pytest.raises(ProtocolError, match="initial"):
+        compile_machine(
+            MachineDeclaration(name="X", states=("a",), initial="q", triggers=(), transitions=())
+        )
