@@ -1,0 +1,547 @@
+"""Codecs of the control messages exchanged over ZMQ (spec §4).
+
+Every message is a list of raw byte frames. Decoders take such a list and either
+return a frozen value or raise :class:`~tspd.core.errors.WireError` (or its
+subclass :class:`~tspd.core.errors.ContractError` for the contract and manifest
+frames) whose text is the specification's message, verbatim where the
+specification fixes one. Encoders produce exactly the frames the decoders accept
+and refuse, with a ``WireError``, values that have no encoding.
+
+Messages and their direction:
+
+* registration (Decode → Prefill, 8 frames, §4.3) — :func:`decode_registration`;
+  its route header (endpoint, session, port) alone with
+  :func:`decode_registration_route`, so a registration whose later frames are bad
+  can still be rejected by route (§7.9.4);
+* pre-allocation (Decode → Prefill, 3 frames, §4.4) — :func:`decode_preallocation`
+  parses the room and the session only; the manifest frame is parsed later by
+  :meth:`Preallocation.manifest`, after the registration lookup and the
+  already-failed short-circuit (§12 item 15);
+* status (Prefill → Decode, 3..7 frames, §4.5) — :func:`encode_status` always
+  sends the 7-frame form (§14.1), :func:`decode_status` accepts 3..7;
+* EPD embedding status (Encode → Prefill, 3 frames, §4.7).
+
+The two hot paths, pre-allocation decoding and status encoding, avoid regexes and
+per-call setup: integer frames are checked with ``bytes`` predicates and the
+constant frames are precomputed.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Final
+
+from tspd.core.contract import MAX_CONTRACT_BYTES, CacheContract, parse_contract
+from tspd.core.errors import ContractError, WireError
+from tspd.core.manifest import MAX_MANIFEST_BYTES, BlockManifest, parse_manifest
+from tspd.core.poll import TransferPoll
+
+__all__ = [
+    "MAX_CONTRACT_BYTES",
+    "MAX_DECODE_TP_SIZE",
+    "MAX_ENDPOINT_CHARS",
+    "MAX_MANIFEST_BYTES",
+    "MAX_RANK",
+    "MAX_ROOM",
+    "MAX_SESSION_CHARS",
+    "REGISTRATION_MARKER",
+    "EmbeddingStatus",
+    "Preallocation",
+    "Registration",
+    "RouteHeader",
+    "StatusMessage",
+    "decode_embedding_status",
+    "decode_preallocation",
+    "decode_registration",
+    "decode_registration_route",
+    "decode_status",
+    "decode_uint",
+    "encode_embedding_status",
+    "encode_preallocation",
+    "encode_registration",
+    "encode_status",
+    "encode_uint",
+    "failure_notice",
+    "is_registration",
+    "session_port",
+]
+
+# Bounds fixed by the specification (§4.3, §4.4, §5.1, §5.5).
+REGISTRATION_MARKER: Final = b"None"
+MAX_ROOM: Final = 2**63 - 1
+MAX_ENDPOINT_CHARS: Final = 255
+MAX_SESSION_CHARS: Final = 512
+MAX_PORT: Final = 65535
+MAX_DECODE_TP_SIZE: Final = 1024
+# Bounds the specification leaves open; chosen wide enough for any real topology.
+# A status rank is pp_rank * tp_size + tp_rank (§4.5), kept inside int32.
+MAX_RANK: Final = 2**31 - 1
+_MIN_TOKEN: Final = -(2**63)
+_MAX_TOKEN: Final = 2**63 - 1
+_MIN_INT32: Final = -(2**31)
+_MAX_INT32: Final = 2**31 - 1
+
+_REGISTRATION_FRAMES: Final = 8
+_PREALLOCATION_FRAMES: Final = 3
+_ZERO: Final = 48  # ord("0")
+
+_MSG_HEADER: Final = "Rejecting malformed Mooncake bootstrap message header"
+_MSG_REGISTRATION_FRAMES: Final = "CachePD slab registration requires exactly 8 frames"
+_MSG_ENDPOINT: Final = "CachePD registration endpoint is invalid"
+_MSG_SESSION: Final = "CachePD registration session is invalid"
+_MSG_POINTER_LENGTH: Final = "CachePD slab pointer frame must be exactly 8 bytes"
+_MSG_POINTER_ZERO: Final = "CachePD slab pointer must be nonzero"
+_MSG_PREALLOCATION_FRAMES: Final = "CachePD pre-allocation requires exactly 3 frames"
+_MSG_REQUEST_SESSION: Final = "CachePD request requires a Decode session"
+_MSG_MANIFEST_SIZE: Final = f"Cache block manifest payload must be 1..{MAX_MANIFEST_BYTES} bytes"
+_STATUS_PREFIX: Final = "Rejecting malformed Prefill status message: "
+_EMBEDDING_PREFIX: Final = "Rejecting malformed EPD embedding status message: "
+
+_U64: Final = struct.Struct("<Q")
+_F64: Final = struct.Struct("<d")
+# Frames of the status values, so encoding a status allocates nothing for it.
+_POLL_FRAMES: Final[dict[int, bytes]] = {poll: b"%d" % poll for poll in TransferPoll}
+_POLLS: Final[tuple[TransferPoll, ...]] = tuple(TransferPoll)
+_MAX_POLL: Final = len(_POLLS) - 1
+
+
+# --------------------------------------------------------------------------- integers
+
+
+def _digits(maximum: int) -> int:
+    return len(str(maximum))
+
+
+def _is_canonical_uint(frame: bytes, max_digits: int) -> bool:
+    # bytes.isdigit() is ASCII-only and False for b"", so it also rejects signs,
+    # whitespace and '_' that int() would accept.
+    return (
+        0 < len(frame) <= max_digits and frame.isdigit() and (frame[0] != _ZERO or len(frame) == 1)
+    )
+
+
+def _uint(frame: bytes, name: str, minimum: int, maximum: int, max_digits: int) -> int:
+    if not _is_canonical_uint(frame, max_digits):
+        raise WireError(f"{name} must be canonical unsigned ASCII")
+    value = int(frame)
+    if value < minimum or value > maximum:
+        raise WireError(f"{name} is out of range")
+    return value
+
+
+def decode_uint(frame: bytes, *, name: str, minimum: int, maximum: int) -> int:
+    """Decode a canonical unsigned ASCII integer (§4.2).
+
+    Valid iff the frame has 1 to ``digits(maximum)`` bytes, all ASCII digits, no
+    leading ``0`` unless it is exactly ``b"0"``, and the value is in
+    ``[minimum, maximum]``. Errors: ``"{name} must be canonical unsigned ASCII"``,
+    ``"{name} is out of range"``.
+    """
+    return _uint(frame, name, minimum, maximum, _digits(maximum))
+
+
+def encode_uint(value: int) -> bytes:
+    """The canonical unsigned ASCII frame of ``value`` (what ``str(int)`` writes)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise WireError(f"{value!r} has no canonical unsigned ASCII encoding")
+    return b"%d" % value
+
+
+def _ascii(frame: bytes, max_chars: int, message: str) -> str:
+    if not 0 < len(frame) <= max_chars or not frame.isascii():
+        raise WireError(message)
+    return frame.decode("ascii")
+
+
+def _check_ascii(text: str, max_chars: int, message: str) -> bytes:
+    if not 0 < len(text) <= max_chars or not text.isascii():
+        raise WireError(message)
+    return text.encode("ascii")
+
+
+# ---------------------------------------------------------------------- discrimination
+
+
+def is_registration(frames: list[bytes]) -> bool:
+    """Whether a message on the Prefill control socket is a registration (§4.1).
+
+    Frame 0 equal to ``b"None"`` is a registration; any other ASCII frame 0 is a
+    pre-allocation. A message without frames, or whose frame 0 is not ASCII, cannot
+    be routed at all: ``WireError("Rejecting malformed Mooncake bootstrap message
+    header")`` — the text TokenSpeed logs when it drops such a message, so the
+    shell can log ``str(err)`` as is.
+    """
+    if not frames or not frames[0].isascii():
+        raise WireError(_MSG_HEADER)
+    return frames[0] == REGISTRATION_MARKER
+
+
+# ------------------------------------------------------------------------ registration
+
+
+@dataclass(frozen=True, slots=True)
+class RouteHeader:
+    """Where a Decode rank wants its status messages, and who it is (§4.3 frames 1-3)."""
+
+    endpoint: str
+    port: int
+    session_id: str
+
+    @property
+    def status_address(self) -> str:
+        """The ZMQ address of the Decode rank's status PULL socket (§3): only the part
+        of ``endpoint`` before its first ``:`` is used."""
+        host = self.endpoint.split(":", 1)[0]
+        return f"tcp://{host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A Decode rank's registration with one Prefill TP rank (§4.3).
+
+    Equality compares every field that matters for conflicts (§7.9.4), the contract
+    as a parsed object; ``contract_bytes`` (the frame as received, re-sent verbatim
+    by :func:`encode_registration`) is excluded so that two serialisations of one
+    contract do not conflict.
+    """
+
+    endpoint: str
+    port: int
+    session_id: str
+    arena_base: int
+    contract: CacheContract
+    contract_bytes: bytes = field(compare=False, repr=False)
+    decode_tp_size: int
+    decode_tp_rank: int
+
+    @property
+    def route(self) -> RouteHeader:
+        """The route header of this registration."""
+        return RouteHeader(self.endpoint, self.port, self.session_id)
+
+
+def decode_registration_route(frames: list[bytes]) -> RouteHeader:
+    """Decode a registration's route header, checking frames 0, 1, 3, 2 in that order
+    (§4.3) and nothing else."""
+    if len(frames) != _REGISTRATION_FRAMES or frames[0] != REGISTRATION_MARKER:
+        raise WireError(_MSG_REGISTRATION_FRAMES)
+    endpoint = _ascii(frames[1], MAX_ENDPOINT_CHARS, _MSG_ENDPOINT)
+    session_id = _ascii(frames[3], MAX_SESSION_CHARS, _MSG_SESSION)
+    port = _uint(frames[2], "CachePD registration port", 1, MAX_PORT, 5)
+    return RouteHeader(endpoint, port, session_id)
+
+
+def decode_registration(frames: list[bytes], *, compat: bool = False) -> Registration:
+    """Decode and validate a registration (§4.3).
+
+    Check order: route header (frames 0, 1, 3, 2), pointer length (4), contract (5),
+    ``decode_tp_size`` (6), ``decode_tp_rank`` (7), pointer non-zero (4). Contract
+    errors are :class:`ContractError` with the §5.2 messages; ``compat`` is passed
+    to :func:`~tspd.core.contract.parse_contract` (accept the S3 group-spec keys).
+    """
+    route = decode_registration_route(frames)
+    pointer = frames[4]
+    if len(pointer) != 8:
+        raise WireError(_MSG_POINTER_LENGTH)
+    contract_bytes = bytes(frames[5])
+    contract = parse_contract(contract_bytes, compat=compat)
+    tp_size = _uint(frames[6], "CachePD decode_tp_size", 1, MAX_DECODE_TP_SIZE, 4)
+    tp_rank = decode_uint(frames[7], name="CachePD decode_tp_rank", minimum=0, maximum=tp_size - 1)
+    (arena_base,) = _U64.unpack(pointer)
+    if arena_base == 0:
+        raise WireError(_MSG_POINTER_ZERO)
+    return Registration(
+        endpoint=route.endpoint,
+        port=route.port,
+        session_id=route.session_id,
+        arena_base=arena_base,
+        contract=contract,
+        contract_bytes=contract_bytes,
+        decode_tp_size=tp_size,
+        decode_tp_rank=tp_rank,
+    )
+
+
+def encode_registration(registration: Registration) -> list[bytes]:
+    """The 8 frames of ``registration``; the pointer is unsigned 64-bit little-endian
+    (§14.2) and the contract frame is ``registration.contract_bytes``."""
+    reg = registration
+    endpoint = _check_ascii(reg.endpoint, MAX_ENDPOINT_CHARS, _MSG_ENDPOINT)
+    session = _check_ascii(reg.session_id, MAX_SESSION_CHARS, _MSG_SESSION)
+    if not 1 <= reg.port <= MAX_PORT:
+        raise WireError("CachePD registration port is out of range")
+    if reg.arena_base == 0:
+        raise WireError(_MSG_POINTER_ZERO)
+    if not 0 < reg.arena_base < 2**64:
+        raise WireError(f"CachePD slab pointer {reg.arena_base:#x} does not fit 64 bits")
+    if not 0 < len(reg.contract_bytes) <= MAX_CONTRACT_BYTES:
+        raise ContractError(
+            f"cache transfer contract payload must be 1..{MAX_CONTRACT_BYTES} bytes"
+        )
+    if not 1 <= reg.decode_tp_size <= MAX_DECODE_TP_SIZE:
+        raise WireError("CachePD decode_tp_size is out of range")
+    if not 0 <= reg.decode_tp_rank < reg.decode_tp_size:
+        raise WireError("CachePD decode_tp_rank is out of range")
+    return [
+        REGISTRATION_MARKER,
+        endpoint,
+        encode_uint(reg.port),
+        session,
+        _U64.pack(reg.arena_base),
+        reg.contract_bytes,
+        encode_uint(reg.decode_tp_size),
+        encode_uint(reg.decode_tp_rank),
+    ]
+
+
+# ---------------------------------------------------------------------- pre-allocation
+
+
+@dataclass(frozen=True, slots=True)
+class Preallocation:
+    """A pre-allocation (§4.4) with its manifest frame still unparsed.
+
+    The Prefill rank looks the session's registration up and short-circuits an
+    already-failed room before it parses the manifest (§12 item 15), so parsing is
+    a separate step: :meth:`manifest`.
+    """
+
+    room: int
+    session_id: str
+    manifest_bytes: bytes = field(repr=False)
+
+    @property
+    def is_dummy(self) -> bool:
+        """An empty manifest frame: a rendezvous-only pre-allocation for a dummy
+        Prefill rank (§6.4)."""
+        return not self.manifest_bytes
+
+    def manifest(self) -> BlockManifest | None:
+        """Parse the manifest frame: ``None`` for a dummy pre-allocation, else the
+        block manifest (1..2097152 bytes; :class:`ContractError` with the §5.5
+        messages). It is not validated against a contract here: that needs the
+        sender's registration (``tspd.core.manifest.validate_manifest``)."""
+        if not self.manifest_bytes:
+            return None
+        return parse_manifest(self.manifest_bytes)
+
+
+def decode_preallocation(frames: list[bytes]) -> Preallocation:
+    """Decode a pre-allocation's frame count, room and session (§4.4); the manifest
+    frame is kept as bytes for :meth:`Preallocation.manifest`."""
+    if len(frames) != _PREALLOCATION_FRAMES:
+        raise WireError(_MSG_PREALLOCATION_FRAMES)
+    room_frame, session_frame, manifest_bytes = frames
+    # _uint inlined: this decode runs once per request and Prefill rank.
+    if not (
+        0 < len(room_frame) <= 19
+        and room_frame.isdigit()
+        and (room_frame[0] != _ZERO or len(room_frame) == 1)
+    ):
+        raise WireError("CachePD room must be canonical unsigned ASCII")
+    room = int(room_frame)
+    if room > MAX_ROOM:
+        raise WireError("CachePD room is out of range")
+    if not 0 < len(session_frame) <= MAX_SESSION_CHARS or not session_frame.isascii():
+        raise WireError(_MSG_REQUEST_SESSION)
+    return Preallocation(room, session_frame.decode("ascii"), manifest_bytes)
+
+
+def encode_preallocation(room: int, session_id: str, manifest: BlockManifest | None) -> list[bytes]:
+    """The 3 frames of a pre-allocation; ``manifest=None`` sends the empty frame of a
+    dummy pre-allocation."""
+    if not 0 <= room <= MAX_ROOM:
+        raise WireError("CachePD room is out of range")
+    session = _check_ascii(session_id, MAX_SESSION_CHARS, _MSG_REQUEST_SESSION)
+    payload = b"" if manifest is None else manifest.to_json()
+    if len(payload) > MAX_MANIFEST_BYTES:
+        raise ContractError(_MSG_MANIFEST_SIZE)
+    return [encode_uint(room), session, payload]
+
+
+# ------------------------------------------------------------------------------ status
+
+
+@dataclass(frozen=True, slots=True)
+class StatusMessage:
+    """A status message, Prefill → Decode (§4.5), with S3/R-pd's seven fields.
+
+    ``bootstrap_token`` ``-1`` means none; ``bootstrap_logprob`` ``None`` means none.
+    """
+
+    room: int
+    status: TransferPoll
+    prefill_rank: int
+    bootstrap_token: int = -1
+    spec_candidate_ids: tuple[int, ...] = ()
+    cached_tokens: int = 0
+    bootstrap_logprob: float | None = None
+
+
+def _status_error(detail: str) -> WireError:
+    return WireError(_STATUS_PREFIX + detail)
+
+
+def encode_status(message: StatusMessage) -> list[bytes]:
+    """The 7-frame form of ``message`` (§14.1): ASCII decimals, candidates as packed
+    little-endian int32, the logprob as little-endian float64 or an empty frame."""
+    m = message
+    status = _POLL_FRAMES.get(m.status)
+    if (
+        status is None
+        or not 0 <= m.room <= MAX_ROOM
+        or not 0 <= m.prefill_rank <= MAX_RANK
+        or not _MIN_TOKEN <= m.bootstrap_token <= _MAX_TOKEN
+        or not 0 <= m.cached_tokens <= MAX_ROOM
+    ):
+        raise WireError(f"status message for room {m.room} has a value out of range: {m!r}")
+    candidates = m.spec_candidate_ids
+    if candidates:
+        try:
+            packed = struct.pack(f"<{len(candidates)}i", *candidates)
+        except struct.error:
+            raise WireError(
+                f"status message for room {m.room} has a speculative candidate id "
+                f"outside int32: {candidates!r}"
+            ) from None
+    else:
+        packed = b""
+    logprob = m.bootstrap_logprob
+    return [
+        b"%d" % m.room,
+        status,
+        b"%d" % m.prefill_rank,
+        b"%d" % m.bootstrap_token,
+        packed,
+        b"%d" % m.cached_tokens,
+        b"" if logprob is None else _F64.pack(logprob),
+    ]
+
+
+def failure_notice(room: int, prefill_rank: int, cached_tokens: int = 0) -> list[bytes]:
+    """The bare Failed status of ``room`` (§4.5, §4.6): no token, no candidates, no
+    logprob, and the room's recorded cached-token count."""
+    return encode_status(
+        StatusMessage(room, TransferPoll.FAILED, prefill_rank, -1, (), cached_tokens)
+    )
+
+
+def _status_uint(frame: bytes, name: str, maximum: int, max_digits: int) -> int:
+    if not _is_canonical_uint(frame, max_digits):
+        raise _status_error(f"{name} must be canonical unsigned ASCII, got {bytes(frame[:32])!r}")
+    value = int(frame)
+    if value > maximum:
+        raise _status_error(f"{name} {value} is out of range 0..{maximum}")
+    return value
+
+
+def _status_token(frame: bytes) -> int:
+    # What str(int) writes: "-" then a canonical non-zero magnitude, or a canonical
+    # unsigned value. "-0", "+1", " 1" and "1_0" are refused.
+    if frame[:1] == b"-":
+        magnitude = frame[1:]
+        if _is_canonical_uint(magnitude, 19) and magnitude != b"0":
+            value = -int(magnitude)
+            if value >= _MIN_TOKEN:
+                return value
+            raise _status_error(f"bootstrap token {value} is out of range")
+    elif _is_canonical_uint(frame, 19):
+        value = int(frame)
+        if value <= _MAX_TOKEN:
+            return value
+        raise _status_error(f"bootstrap token {value} is out of range")
+    raise _status_error(
+        f"bootstrap token must be a canonical ASCII integer, got {bytes(frame[:32])!r}"
+    )
+
+
+def _status_candidates(frame: bytes) -> tuple[int, ...]:
+    if not frame:
+        return ()
+    if len(frame) % 4:
+        raise _status_error(
+            f"speculative candidate frame has {len(frame)} bytes, not a multiple of 4"
+        )
+    return struct.unpack(f"<{len(frame) // 4}i", frame)
+
+
+def _status_logprob(frame: bytes) -> float | None:
+    if not frame:
+        return None
+    if len(frame) != 8:
+        raise _status_error(f"bootstrap logprob frame has {len(frame)} bytes, not 0 or 8")
+    value: float = _F64.unpack(frame)[0]
+    return value
+
+
+def decode_status(frames: list[bytes]) -> StatusMessage:
+    """Decode a status message of 3..7 frames (§4.5); absent trailing frames read as
+    token ``-1``, no candidates, ``0`` cached tokens and no logprob.
+
+    Integers must be exactly what ``str(int)`` writes (a ``-`` only on the token).
+    Errors read ``"Rejecting malformed Prefill status message: <detail>"``.
+    """
+    count = len(frames)
+    if not 3 <= count <= 7:
+        raise _status_error(f"expected 3..7 frames, got {count}")
+    room = _status_uint(frames[0], "room", MAX_ROOM, 19)
+    status = _POLLS[_status_uint(frames[1], "status", _MAX_POLL, 1)]
+    rank = _status_uint(frames[2], "prefill rank", MAX_RANK, 10)
+    return StatusMessage(
+        room,
+        status,
+        rank,
+        _status_token(frames[3]) if count > 3 else -1,
+        _status_candidates(frames[4]) if count > 4 else (),
+        _status_uint(frames[5], "cached tokens", MAX_ROOM, 19) if count > 5 else 0,
+        _status_logprob(frames[6]) if count > 6 else None,
+    )
+
+
+# ------------------------------------------------------------------ EPD embedding status
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingStatus:
+    """An EPD embedding status, Encode → Prefill (§4.7): ``[room, status, rank]``."""
+
+    room: int
+    status: TransferPoll
+    rank: int
+
+
+def encode_embedding_status(message: EmbeddingStatus) -> list[bytes]:
+    """The 3 ASCII-decimal frames of an embedding status."""
+    status = _POLL_FRAMES.get(message.status)
+    if status is None or not 0 <= message.room <= MAX_ROOM or not 0 <= message.rank <= MAX_RANK:
+        raise WireError(f"EPD embedding status has a value out of range: {message!r}")
+    return [b"%d" % message.room, status, b"%d" % message.rank]
+
+
+def decode_embedding_status(frames: list[bytes]) -> EmbeddingStatus:
+    """Decode an embedding status of exactly 3 frames. Errors read
+    ``"Rejecting malformed EPD embedding status message: <detail>"``."""
+    if len(frames) != 3:
+        raise WireError(f"{_EMBEDDING_PREFIX}expected 3 frames, got {len(frames)}")
+    try:
+        room = _uint(frames[0], "room", 0, MAX_ROOM, 19)
+        status = _uint(frames[1], "status", 0, _MAX_POLL, 1)
+        rank = _uint(frames[2], "rank", 0, MAX_RANK, 10)
+    except WireError as err:
+        raise WireError(_EMBEDDING_PREFIX + str(err)) from None
+    return EmbeddingStatus(room, _POLLS[status], rank)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def session_port(session_id: str) -> int | None:
+    """The RPC port of a Mooncake session id ``"<ip>:<port>"``, or ``None`` when it
+    has none (R-pd shards transfer work by it and lets such sessions count as 0)."""
+    _, sep, tail = session_id.rpartition(":")
+    raw = tail.encode("ascii", "replace")
+    if not sep or not _is_canonical_uint(raw, 5):
+        return None
+    port = int(raw)
+    return port if 1 <= port <= MAX_PORT else None
