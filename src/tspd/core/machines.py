@@ -265,14 +265,13 @@ PREFILL_ROOM: Final[MachineDeclaration] = _declare(
             _S.FAILED: _S.FAILED,
         },
         # The destination is stored; the status is unchanged (or still absent).
-        _P.PREALLOCATE: {
-            _S.ABSENT: _S.ABSENT,
-            _S.BOOTSTRAPPING: _S.BOOTSTRAPPING,
-            _S.FAILED: _S.FAILED,
-        },
+        # A late pre-allocation for a room already complete (or done) changes nothing.
+        _P.PREALLOCATE: {s: s for s in (_S.ABSENT, *_PREFILL_KNOWN)},
         _P.FANOUT_COMPLETE: {
             _S.ABSENT: _S.BOOTSTRAPPED,
             _S.BOOTSTRAPPING: _S.BOOTSTRAPPED,
+            _S.BOOTSTRAPPED: _S.BOOTSTRAPPED,
+            _S.SUCCESS: _S.SUCCESS,
             _S.FAILED: _S.FAILED,
         },
         _P.TRANSFER_SUCCEEDED: {_S.BOOTSTRAPPED: _S.SUCCESS, _S.FAILED: _S.FAILED},
