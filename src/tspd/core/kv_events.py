@@ -1,0 +1,385 @@
+"""KV-cache events: the wire structs, their byte-exact msgpack encoding, and decoders.
+
+One *batch* is the prefix-cache mutations of one scheduler round on one attention-DP
+rank (spec §9.1). tspd encodes batches exactly as TokenSpeed does (msgspec's
+"array-like" tagged structs, spec §9.2), so its bytes are identical to TokenSpeed's
+and readable by every consumer written against vLLM's legacy format (Dynamo, llm-d,
+SGLang's router): plain msgpack arrays, the event's class name first.
+
+Decoding is lenient where peers differ and strict where the bytes are wrong:
+
+* the **array form** (TokenSpeed, SGLang, vLLM before May 2026) may carry extra
+  trailing fields (``lora_id``, ``medium`` ...): they are ignored;
+* the **map form** vLLM moved to (each event a map tagged by ``"type"``) is read by
+  field name, unknown keys ignored; ``medium``, ``group_idx`` and ``lora_name`` are
+  kept because routers of hybrid and multi-tier models need them;
+* block hashes may be unsigned 64-bit integers (TokenSpeed, SGLang) or byte strings
+  (vLLM's hashes of other widths);
+* anything else -- wrong types, out-of-range integers, unknown tags, trailing bytes,
+  msgpack extension types -- raises :class:`~tspd.core.errors.WireError`, never
+  anything else.
+
+The live PUB frames ``[topic, seq, payload]`` (spec §9.3) are also here; the replay
+frames are in :mod:`tspd.core.replay`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeAlias
+
+import msgpack
+
+from tspd.core.errors import WireError
+
+__all__ = [
+    "FNV_OFFSET_BASIS",
+    "FNV_PRIME",
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEvent",
+    "KVEventBatch",
+    "PubMessage",
+    "block_hash",
+    "chain_block_hashes",
+    "decode_batch",
+    "decode_pub_frames",
+    "encode_batch",
+    "encode_event",
+    "encode_pub_frames",
+    "encode_seq",
+]
+
+_U64_MAX: Final = (1 << 64) - 1
+_I64_MIN: Final = -(1 << 63)
+_I32_MIN: Final = -(1 << 31)
+_I32_MAX: Final = (1 << 31) - 1
+
+FNV_OFFSET_BASIS: Final = 14695981039346656037
+FNV_PRIME: Final = 1099511628211
+
+#: A block hash: an unsigned 64-bit integer (TokenSpeed, SGLang) or the raw bytes
+#: vLLM uses for hashes of other widths.
+BlockHash: TypeAlias = int | bytes
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Prefix blocks were written into the cache.
+
+    TokenSpeed emits one hash per event; ``parent_block_hash`` is the block before
+    the first of ``block_hashes`` in the request's prefix, ``None`` for a first block.
+    ``medium``, ``group_idx`` and ``lora_name`` come only from vLLM's map form and are
+    not part of TokenSpeed's encoding (tspd never writes them).
+    """
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    medium: str | None = field(default=None, kw_only=True)
+    group_idx: int | None = field(default=None, kw_only=True)
+    lora_name: str | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Prefix blocks were evicted from the cache."""
+
+    block_hashes: tuple[BlockHash, ...]
+    medium: str | None = field(default=None, kw_only=True)
+    group_idx: int | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The whole prefix cache was reset (in the union; TokenSpeed never emits it)."""
+
+
+KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventBatch:
+    """One round's events on one attention-DP rank (TokenSpeed's ``KVEventBatch``).
+
+    ``ts`` is wall-clock seconds since the Unix epoch at publish time; ``dp_rank``
+    is ``None`` only in batches from vLLM publishers that leave it unset.
+    """
+
+    ts: float
+    events: tuple[KVEvent, ...]
+    dp_rank: int | None
+
+
+# -- block hashes ---------------------------------------------------------------
+
+
+def block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+    """The 64-bit FNV-1a block hash of spec §9.2 (for consumers that recompute hashes).
+
+    Input bytes: ``1`` and the parent's 8 little-endian bytes if there is a parent,
+    else ``0``; the token count as 8 little-endian bytes; each token id as 4
+    little-endian two's-complement bytes.
+    """
+    parts = bytearray()
+    if parent is None:
+        parts.append(0)
+    else:
+        parts.append(1)
+        parts += (parent & _U64_MAX).to_bytes(8, "little")
+    parts += len(token_ids).to_bytes(8, "little")
+    for token in token_ids:
+        parts += (token & 0xFFFFFFFF).to_bytes(4, "little")
+    h = FNV_OFFSET_BASIS
+    for byte in parts:
+        h = ((h ^ byte) * FNV_PRIME) & _U64_MAX
+    return h
+
+
+def chain_block_hashes(
+    token_ids: Sequence[int], block_size: int, parent: int | None = None
+) -> list[int]:
+    """Hashes of the full blocks of a token sequence, each chained to the one before.
+
+    A trailing partial block is not hashed (only full blocks enter a prefix cache).
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    hashes: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+# -- encoding -------------------------------------------------------------------
+
+_PACKER_OPTIONS: Final[dict[str, Any]] = {"use_bin_type": True, "use_single_float": False}
+
+
+def _event_array(event: KVEvent) -> list[Any]:
+    if isinstance(event, BlockStored):
+        return [
+            "BlockStored",
+            list(event.block_hashes),
+            event.parent_block_hash,
+            list(event.token_ids),
+            event.block_size,
+        ]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", list(event.block_hashes)]
+    return ["AllBlocksCleared"]
+
+
+def encode_event(event: KVEvent) -> bytes:
+    """One event's bytes in TokenSpeed's array form (what appears inside a batch)."""
+    return _pack(_event_array(event))
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """The batch payload, byte-identical to TokenSpeed's (``[ts, events, dp_rank]``).
+
+    ``ts`` is always a float64 (``0xcb``), integers take their smallest msgpack form.
+    Raises :class:`ValueError` for an integer outside the 64-bit ranges.
+    """
+    return _pack([float(batch.ts), [_event_array(e) for e in batch.events], batch.dp_rank])
+
+
+def _pack(obj: object) -> bytes:
+    try:
+        packed = msgpack.packb(obj, **_PACKER_OPTIONS)
+    except OverflowError as exc:
+        raise ValueError(f"a KV event field does not fit a 64-bit integer: {exc}") from None
+    assert isinstance(packed, bytes)
+    return packed
+
+
+# -- decoding -------------------------------------------------------------------
+
+
+def decode_batch(payload: bytes | bytearray | memoryview) -> KVEventBatch:
+    """Decode a batch payload in TokenSpeed's array form or vLLM's map form.
+
+    Raises :class:`WireError` (and nothing else) for anything malformed.
+    """
+    try:
+        obj = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True, timestamp=0)
+    except Exception as exc:  # msgpack raises a zoo of types for bad bytes
+        raise WireError(f"KV event batch is not valid msgpack: {exc}") from None
+    return _batch_from_obj(obj)
+
+
+def _batch_from_obj(obj: object) -> KVEventBatch:
+    if isinstance(obj, list):
+        if not 2 <= len(obj) <= 3:
+            raise WireError(
+                f"KV event batch must be an array of [ts, events, dp_rank], got {len(obj)} items"
+            )
+        ts_obj, events_obj = obj[0], obj[1]
+        rank_obj = obj[2] if len(obj) == 3 else None
+    elif isinstance(obj, dict):
+        if "ts" not in obj or "events" not in obj:
+            raise WireError("KV event batch map must have the keys 'ts' and 'events'")
+        ts_obj, events_obj = obj["ts"], obj["events"]
+        rank_obj = obj.get("data_parallel_rank", obj.get("attn_dp_rank"))
+    else:
+        raise WireError(f"KV event batch must be a msgpack array, got {type(obj).__name__}")
+    if isinstance(ts_obj, bool) or not isinstance(ts_obj, float | int):
+        raise WireError(f"KV event batch timestamp must be a number, got {_kind(ts_obj)}")
+    if not isinstance(events_obj, list):
+        raise WireError(f"KV event batch events must be an array, got {_kind(events_obj)}")
+    dp_rank = _opt_int(rank_obj, "KV event batch dp_rank")
+    return KVEventBatch(float(ts_obj), tuple(_event_from_obj(e) for e in events_obj), dp_rank)
+
+
+def _event_from_obj(obj: object) -> KVEvent:
+    if isinstance(obj, list):
+        return _event_from_array(obj)
+    if isinstance(obj, dict):
+        return _event_from_map(obj)
+    raise WireError(f"KV event must be a tagged array or map, got {_kind(obj)}")
+
+
+def _event_from_array(items: list[Any]) -> KVEvent:
+    if not items or not isinstance(items[0], str):
+        raise WireError("KV event array must start with its type name")
+    tag = items[0]
+    if tag == "BlockStored":
+        if len(items) < 5:
+            raise WireError(
+                f"BlockStored must have at least 4 fields "
+                f"[block_hashes, parent_block_hash, token_ids, block_size], got {len(items) - 1}"
+            )
+        return BlockStored(
+            _hashes(items[1]),
+            _opt_hash(items[2]),
+            _token_ids(items[3]),
+            _int(items[4], "BlockStored block_size"),
+        )
+    if tag == "BlockRemoved":
+        if len(items) < 2:
+            raise WireError("BlockRemoved must have the field block_hashes")
+        return BlockRemoved(_hashes(items[1]))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise WireError(f"unknown KV event type {tag!r}")
+
+
+def _event_from_map(fields: Mapping[str, Any]) -> KVEvent:
+    tag = fields.get("type")
+    if tag == "BlockStored":
+        for key in ("block_hashes", "token_ids", "block_size"):
+            if key not in fields:
+                raise WireError(f"BlockStored map is missing the field {key!r}")
+        return BlockStored(
+            _hashes(fields["block_hashes"]),
+            _opt_hash(fields.get("parent_block_hash")),
+            _token_ids(fields["token_ids"]),
+            _int(fields["block_size"], "BlockStored block_size"),
+            medium=_opt_str(fields.get("medium"), "BlockStored medium"),
+            group_idx=_opt_int(fields.get("group_idx"), "BlockStored group_idx"),
+            lora_name=_opt_str(fields.get("lora_name"), "BlockStored lora_name"),
+        )
+    if tag == "BlockRemoved":
+        if "block_hashes" not in fields:
+            raise WireError("BlockRemoved map is missing the field 'block_hashes'")
+        return BlockRemoved(
+            _hashes(fields["block_hashes"]),
+            medium=_opt_str(fields.get("medium"), "BlockRemoved medium"),
+            group_idx=_opt_int(fields.get("group_idx"), "BlockRemoved group_idx"),
+        )
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise WireError(f"unknown KV event type {tag!r}")
+
+
+def _kind(obj: object) -> str:
+    return "nil" if obj is None else type(obj).__name__
+
+
+def _hash(obj: object) -> BlockHash:
+    if isinstance(obj, bytes):
+        return obj
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        if 0 <= obj <= _U64_MAX:
+            return obj
+        raise WireError(f"block hash {obj} is outside the unsigned 64-bit range")
+    raise WireError(f"block hash must be an unsigned integer or bytes, got {_kind(obj)}")
+
+
+def _opt_hash(obj: object) -> BlockHash | None:
+    return None if obj is None else _hash(obj)
+
+
+def _hashes(obj: object) -> tuple[BlockHash, ...]:
+    if not isinstance(obj, list):
+        raise WireError(f"block_hashes must be an array, got {_kind(obj)}")
+    return tuple(_hash(h) for h in obj)
+
+
+def _token_ids(obj: object) -> tuple[int, ...]:
+    if not isinstance(obj, list):
+        raise WireError(f"token_ids must be an array, got {_kind(obj)}")
+    for token in obj:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise WireError(f"token id must be an integer, got {_kind(token)}")
+        if not _I64_MIN <= token <= _U64_MAX:
+            raise WireError(f"token id {token} is outside the 64-bit range")
+    return tuple(obj)
+
+
+def _int(obj: object, what: str) -> int:
+    if isinstance(obj, bool) or not isinstance(obj, int):
+        raise WireError(f"{what} must be an integer, got {_kind(obj)}")
+    return obj
+
+
+def _opt_int(obj: object, what: str) -> int | None:
+    return None if obj is None else _int(obj, what)
+
+
+def _opt_str(obj: object, what: str) -> str | None:
+    if obj is None or isinstance(obj, str):
+        return obj
+    raise WireError(f"{what} must be a string, got {_kind(obj)}")
+
+
+# -- live PUB frames ------------------------------------------------------------
+
+
+def encode_seq(seq: int) -> bytes:
+    """A sequence number as its 8-byte big-endian frame (``-1`` is the end marker)."""
+    return seq.to_bytes(8, "big", signed=seq < 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PubMessage:
+    """One live message as it arrives on a SUB socket."""
+
+    topic: bytes
+    seq: int
+    payload: bytes
+
+
+def encode_pub_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    """The three live frames ``[topic, seq (8 B big-endian), payload]`` (spec §9.3)."""
+    if not 0 <= seq <= _U64_MAX:
+        raise ValueError(f"sequence number {seq} is outside the unsigned 64-bit range")
+    return [topic, seq.to_bytes(8, "big"), payload]
+
+
+def decode_pub_frames(frames: Sequence[bytes]) -> PubMessage:
+    """Split a live message; raises :class:`WireError` unless it has exactly 3 frames
+    and an 8-byte sequence number (the payload is decoded separately)."""
+    if len(frames) != 3:
+        raise WireError(
+            f"KV event message must have 3 frames [topic, seq, payload], got {len(frames)}"
+        )
+    topic, seq, payload = frames
+    if len(seq) != 8:
+        raise WireError(f"KV event sequence number must be 8 bytes, got {len(seq)}")
+    return PubMessage(bytes(topic), int.from_bytes(seq, "big"), bytes(payload))
