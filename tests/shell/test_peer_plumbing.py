@@ -1,0 +1,187 @@
+"""The peers' plumbing: deadline timer, push pool, loop portal, step waits, transfer workers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+import zmq
+from pd_helpers import wait_until
+
+from tspd.core.commands import DestinationWrite, StartTransfer, TransferInterval
+from tspd.core.copies import CopyPlan
+from tspd.shell.nursery import single_error
+from tspd.shell.pushes import PushPool, endpoint_url
+from tspd.shell.steps import StepCounter, wait_step
+from tspd.shell.threadsafe import LoopPortal, PeerClosed
+from tspd.shell.timer import DeadlineTimer
+from tspd.shell.transfers import TransferWorkers
+from tspd.shell.zmq import bind_free_port, open_socket
+from tspd.testing.fake_engine import AsyncFakeEngine, FakeEngine, FakeFabric
+
+
+async def test_timer_fires_at_each_deadline_and_follows_earlier_ones(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    start = trio.current_time()
+    fired: list[float] = []
+    deadlines = [start + 5.0, start + 2.0]
+
+    def next_deadline() -> float | None:
+        return min(deadlines) if deadlines else None
+
+    def on_timeout(now: float) -> None:
+        fired.append(now - start)
+        deadlines.remove(min(deadlines))
+
+    timer = DeadlineTimer(next_deadline, on_timeout)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(timer.run)
+        await trio.sleep(3)
+        deadlines.append(start + 1.0)  # already due: a poke makes the timer notice
+        timer.poke()
+        await trio.sleep(10)
+        nursery.cancel_scope.cancel()
+    assert fired == [2.0, 3.0, 5.0]
+
+
+async def test_push_pool_sends_in_order_and_closes_its_sockets() -> None:
+    ctx = zmq.Context.instance()
+    pull = open_socket(ctx, zmq.PULL)
+    port = bind_free_port(pull)
+    pool = PushPool(ctx, name="test")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        for i in range(50):
+            pool.send_nowait("127.0.0.1:9999", port, [str(i).encode()], room=i)
+        got: list[bytes] = []
+        with trio.fail_after(10):
+            while len(got) < 50:
+                got.extend(m[0] for m in await pull.recv_batch())
+        nursery.cancel_scope.cancel()
+    assert got == [str(i).encode() for i in range(50)]
+    assert pool.stats.sent == 50
+    assert pool.stats.sockets == 1
+    pull.close()
+    assert endpoint_url("10.0.0.1:1234", 5) == "tcp://10.0.0.1:5"
+
+
+async def test_portal_runs_calls_from_threads_in_order_without_waiting() -> None:
+    portal = LoopPortal(trio.lowlevel.current_trio_token(), name="test peer")
+    seen: list[int] = []
+    futures = []
+
+    def poster() -> None:
+        for i in range(20):
+            futures.append(portal.post(lambda i=i: seen.append(i)))
+        futures.append(portal.post(lambda: 1 // 0))
+
+    await trio.to_thread.run_sync(poster)
+    await wait_until(lambda: futures[-1].done())
+    assert seen == list(range(20))
+    with pytest.raises(ZeroDivisionError):
+        futures[-1].result()
+    portal.close()
+    with pytest.raises(PeerClosed):
+        portal.post(lambda: None).result()
+
+
+async def test_step_wait_returns_once_the_counter_passes_the_target() -> None:
+    counter = StepCounter()
+    assert counter.address == counter.address
+    done = trio.Event()
+
+    async def waiter() -> None:
+        assert await wait_step(counter.read, 2) is None
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        for _ in range(2):
+            counter.advance()
+            await trio.sleep(0.01)
+            assert not done.is_set()
+        counter.advance()
+        with trio.fail_after(5):
+            await done.wait()
+    assert counter.read() == 3
+
+
+async def test_step_wait_gives_up_with_the_reason() -> None:
+    counter = StepCounter()
+    reasons = iter([None, "room 5 ended"])
+    with trio.fail_after(5):
+        got = await wait_step(counter.read, 0, give_up=lambda: next(reasons), check_every=0.01)
+    assert got == "room 5 ended"
+
+
+class _Feedback:
+    def __init__(self) -> None:
+        self.ok: list[int] = []
+        self.failed: list[tuple[int, str | None, str]] = []
+        self.stop: str | None = None
+
+    def chunk_succeeded(self, chunk: StartTransfer) -> None:
+        self.ok.append(chunk.room)
+
+    def chunk_failed(self, chunk: StartTransfer, session_id: str | None, reason: str) -> None:
+        self.failed.append((chunk.room, session_id, reason))
+
+    def wait_should_stop(self, chunk: StartTransfer) -> str | None:
+        return self.stop
+
+
+async def test_workers_write_report_and_survive_failures() -> None:
+    fabric = FakeFabric()
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    a = AsyncFakeEngine(fabric=fabric)
+    b = FakeEngine("127.0.0.1", fabric=fabric)
+    a.register_memory(src.ctypes.data, 64)
+    b.register_memory(dst.ctypes.data, 64)
+    plan = CopyPlan.from_copies(
+        [(src.ctypes.data + 8 * i, dst.ctypes.data + 8 * i, 8) for i in range(8)]
+    )
+    write = DestinationWrite(b.session_id, "127.0.0.1", 1, plan)
+    counter = StepCounter()
+    feedback = _Feedback()
+    workers = TransferWorkers(a, feedback, count=2, read_step=counter.read, max_descriptors=3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(workers.run)
+        a.fail_next(b.session_id)
+        workers.submit(
+            StartTransfer(1, 0, (TransferInterval(None, (write,)),), True, (b.session_id,))
+        )
+        workers.submit(
+            StartTransfer(2, 0, (TransferInterval(None, (write,)),), True, (b.session_id,))
+        )
+        workers.submit(
+            StartTransfer(3, 1, (TransferInterval(0, (write,)),), False, (b.session_id,))
+        )
+        await wait_until(lambda: workers.in_flight() == 1)
+        counter.advance()
+        await wait_until(lambda: workers.in_flight() == 0)
+        nursery.cancel_scope.cancel()
+    assert len(feedback.failed) == 1
+    assert feedback.failed[0][:2] == (1, b.session_id)
+    assert feedback.ok == [2, 3]
+    assert np.array_equal(src, dst)
+    assert workers.stats.engine_calls == 6  # two chunks of 8 copies in calls of 3
+    a.close()
+    b.close()
+
+
+async def test_single_error_unwraps_one_exception_groups() -> None:
+    with pytest.raises(KeyError):
+        await _nursery_raising_key()
+
+
+async def _nursery_raising_key() -> None:
+    with single_error():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_raise_key)
+
+
+async def _raise_key() -> None:
+    raise KeyError("x")
