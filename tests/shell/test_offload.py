@@ -1,0 +1,187 @@
+"""EngineRunner (blocking engines in threads, never abandoned) and step waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from tspd.core.schedule import STEP_MODULUS
+from tspd.engines.base import AddressList, AsyncTransferEngine, TransferError
+from tspd.shell.offload import EngineRunner, wait_step
+from tspd.testing.fake_engine import FakeEngine, FakeFabric
+
+
+def _pair(latency: float = 0.0) -> tuple[FakeEngine, FakeEngine, np.ndarray, np.ndarray]:
+    fabric = FakeFabric()
+    a, b = FakeEngine(fabric=fabric, latency=latency), FakeEngine(fabric=fabric)
+    src = np.arange(256, dtype=np.uint8)
+    dst = np.zeros(256, dtype=np.uint8)
+    a.register_memory(int(src.ctypes.data), 256)
+    b.register_memory(int(dst.ctypes.data), 256)
+    return a, b, src, dst
+
+
+async def test_runner_is_an_async_engine_and_copies() -> None:
+    a, b, src, dst = _pair()
+    runner = EngineRunner(a)
+    assert isinstance(runner, AsyncTransferEngine)
+    assert runner.session_id == a.session_id
+    await runner.batch_write(b.session_id, [int(src.ctypes.data)], [int(dst.ctypes.data)], [256])
+    assert bytes(dst) == bytes(src)
+    assert runner.in_flight == 0
+
+
+async def test_runner_propagates_transfer_errors() -> None:
+    a, b, src, dst = _pair()
+    runner = EngineRunner(a)
+    a.fail_next(b.session_id)
+    with pytest.raises(TransferError):
+        await runner.batch_write(b.session_id, [int(src.ctypes.data)], [int(dst.ctypes.data)], [8])
+    assert runner.in_flight == 0
+
+
+async def test_runner_register_and_unregister_pass_through() -> None:
+    fabric = FakeFabric()
+    engine = FakeEngine(fabric=fabric)
+    runner = EngineRunner(engine)
+    arena = np.zeros(64, dtype=np.uint8)
+    runner.register_memory(int(arena.ctypes.data), 64)
+    assert engine.regions() == {int(arena.ctypes.data): 64}
+    runner.unregister_memory(int(arena.ctypes.data))
+    assert engine.regions() == {}
+    runner.close()
+    assert engine.closed
+
+
+async def test_a_cancelled_write_still_finishes_before_returning() -> None:
+    a, b, src, dst = _pair(latency=0.3)
+    runner = EngineRunner(a)
+    with trio.CancelScope() as scope:
+        scope.deadline = trio.current_time() + 0.05
+        await runner.batch_write(
+            b.session_id, [int(src.ctypes.data)], [int(dst.ctypes.data)], [256]
+        )
+        await trio.sleep(10)  # the cancellation lands here, after the write
+    assert scope.cancelled_caught
+    assert bytes(dst) == bytes(src), "the write must have completed, not been abandoned"
+    assert runner.in_flight == 0
+
+
+class _GateEngine:
+    """A blocking engine that records how many writes run at once."""
+
+    def __init__(self) -> None:
+        self.session_id = "127.0.0.1:1"
+        self._lock = threading.Lock()
+        self.running = 0
+        self.peak = 0
+
+    def register_memory(self, addr: int, length: int) -> None:
+        pass
+
+    def unregister_memory(self, addr: int) -> None:
+        pass
+
+    def batch_write(
+        self, peer_session: str, src: AddressList, dst: AddressList, lengths: AddressList
+    ) -> None:
+        with self._lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        time.sleep(0.05)
+        with self._lock:
+            self.running -= 1
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+async def test_limiter_bounds_concurrent_writes(limit: int) -> None:
+    engine = _GateEngine()
+    runner = EngineRunner(engine, limiter=trio.CapacityLimiter(limit))
+    empty: Sequence[int] = []
+    async with trio.open_nursery() as nursery:
+        for _ in range(6):
+            nursery.start_soon(runner.batch_write, "peer:1", empty, empty, empty)
+    assert engine.peak == limit
+
+
+async def test_wait_step_returns_when_counter_passes_target(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    counter = [0]
+
+    async def producer() -> None:
+        for _ in range(5):
+            await trio.sleep(1.0)
+            counter[0] += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(producer)
+        start = trio.current_time()
+        value = await wait_step(lambda: counter[0], 2)
+        # Step 2 is done once the counter reads 3 (strictly past it).
+        assert value == 3
+        assert trio.current_time() - start == pytest.approx(3.0, abs=0.01)
+
+
+async def test_wait_step_is_wrap_safe(autojump_clock: trio.testing.MockClock) -> None:
+    top = STEP_MODULUS - 1
+    counter = [top - 1]
+
+    async def producer() -> None:
+        while True:
+            await trio.sleep(0.5)
+            counter[0] = (counter[0] + 1) % STEP_MODULUS
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(producer)
+        assert await wait_step(lambda: counter[0], top) == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_wait_step_is_cancellable(autojump_clock: trio.testing.MockClock) -> None:
+    with trio.move_on_after(5) as scope:
+        await wait_step(lambda: 0, 10)
+    assert scope.cancelled_caught
+
+
+async def test_wait_step_in_thread() -> None:
+    counter = [0]
+
+    async def producer() -> None:
+        for _ in range(3):
+            await trio.sleep(0.01)
+            counter[0] += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(producer)
+        value = await wait_step(lambda: counter[0], 1, in_thread=True, poll=0.001)
+    assert value >= 2
+
+
+async def test_wait_step_in_thread_cancel_stops_the_thread() -> None:
+    reads = [0]
+
+    def read() -> int:
+        reads[0] += 1
+        return 0
+
+    with trio.move_on_after(0.05):
+        await wait_step(read, 10, in_thread=True, poll=0.001)
+    await trio.sleep(0.05)
+    settled = reads[0]
+    await trio.sleep(0.05)
+    assert reads[0] == settled, "the abandoned polling thread must stop"
+
+
+async def test_wait_step_rejects_a_bad_poll() -> None:
+    with pytest.raises(ValueError, match="poll"):
+        await wait_step(lambda: 5, 1, poll=0)
