@@ -396,6 +396,20 @@ def test_owner_filter_keeps_owned_blocks_and_translates_pages() -> None:
         registration=skipped,
     )
     assert got == []
+    # Virtual ids run to 1 + (pages - 1) * owners = 9 on a 5-page, 2-owner group.
+    with pytest.raises(PlanError) as caught:
+        copies(
+            src_contract=c,
+            src_base=0,
+            dst_contract=d,
+            dst_base=0,
+            dst_manifest=manifest(swa=[3, 4]),
+            source=manifest(swa=[8, 9]),
+            registration=PlannedRegistration(
+                (fragment,), {"swa": OwnerFilter(0, 2)}, False, frozenset({0})
+            ),
+        )
+    assert str(caught.value) == "source virtual block 9 of cache group 'swa' is outside [0, 9)"
 
 
 # -- planning errors ---------------------------------------------------------------
@@ -429,17 +443,19 @@ def test_planning_errors() -> None:
         "destination manifest group order disagrees with the source layout"
     )
     assert plan_error(source=manifest(full=[1, 9], swa=[7])) == (
-        "source block 9 of cache group 'full' is outside the group's pages [0, 9)"
+        "source block 9 of cache group 'full' is outside [0, 9)"
     )
     assert plan_error(dst_manifest=manifest(full=[3, -1], swa=[5])) == (
-        "destination block -1 of cache group 'full' is outside the group's pages [0, 9)"
+        "destination block -1 of cache group 'full' is outside [0, 9)"
     )
     selection = Selection(
         (SelectionGroup("full", (1,), (2,)), SelectionGroup("swa", (), ())), is_final=False
     )
     assert plan_error(source=selection) == (
-        "layerwise selection position 2 of cache group 'full' is outside the destination "
-        "manifest's 2 blocks"
+        "layerwise selection position 2 of cache group 'full' is outside [0, 2)"
+    )
+    assert plan_error(source=manifest(full=[1, 1 << 70], swa=[7])) == (
+        "source blocks of cache group 'full' are not all 64-bit integers"
     )
     assert plan_error(src_base=-1).startswith("source arena [")
     assert plan_error(dst_base=1 << 62).startswith("destination arena [")

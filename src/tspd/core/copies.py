@@ -230,15 +230,20 @@ class _GroupPages:
     dst_pages: Int64Array
 
 
-def _as_pages(ids: Sequence[int], limit: int, *, side: str, group_id: str) -> Int64Array:
-    """Block ids as an int64 array, each required to be a page of the group."""
-    for block in ids:
-        if not 0 <= block < limit:
-            raise PlanError(
-                f"{side} block {block} of cache group {group_id!r} is outside the "
-                f"group's pages [0, {limit})"
-            )
-    return np.asarray(ids, dtype=np.int64)
+def _ids(ids: Sequence[int], *, what: str, group_id: str) -> Int64Array:
+    """Block ids or positions as an int64 array (a value beyond int64 is refused)."""
+    try:
+        return np.asarray(ids, dtype=np.int64).reshape(-1)
+    except (OverflowError, TypeError, ValueError):
+        raise PlanError(f"{what} of cache group {group_id!r} are not all 64-bit integers") from None
+
+
+def _check_range(ids: Int64Array, limit: int, *, what: str, group_id: str) -> None:
+    """Require every entry of ``ids`` to lie in ``[0, limit)``."""
+    bad = (ids < 0) | (ids >= limit)
+    if bad.any():
+        value = int(ids[int(np.argmax(bad))])
+        raise PlanError(f"{what} {value} of cache group {group_id!r} is outside [0, {limit})")
 
 
 def _group_pages(
@@ -250,55 +255,57 @@ def _group_pages(
     owner_filters: Mapping[str, OwnerFilter | None],
     filtered: bool,
 ) -> list[_GroupPages]:
-    """Pair source and destination pages per group, in contract group order."""
+    """Pair source and destination pages per group, in contract group order.
+
+    Source ids of a DCP-sharded group are virtual block ids: with an owner filter
+    only the owned positions are kept and translated to local pages; without one
+    (``None``) the group sends nothing from this rank.
+    """
     order = tuple(src_contract.group_ids)
     dst_groups = _manifest_groups(dst_manifest)
     if tuple(dst_groups) != order:
         raise PlanError("destination manifest group order disagrees with the source layout")
-    if isinstance(source, Selection):
-        selected = _selection_groups(source)
-        if tuple(selected) != order:
-            raise PlanError("layerwise selection group order disagrees with the source layout")
-        pairs = {}
-        for gid, (src_ids, positions) in selected.items():
-            dst_ids = dst_groups[gid]
-            for position in positions:
-                if not 0 <= position < len(dst_ids):
-                    raise PlanError(
-                        f"layerwise selection position {position} of cache group {gid!r} "
-                        f"is outside the destination manifest's {len(dst_ids)} blocks"
-                    )
-            pairs[gid] = (list(src_ids), [dst_ids[position] for position in positions])
-    else:
-        src_groups = _manifest_groups(source)
-        if tuple(src_groups) != order:
-            raise PlanError("source manifest group order disagrees with the source layout")
-        pairs = {gid: (list(src_groups[gid]), list(dst_groups[gid])) for gid in order}
+    selected = _selection_groups(source) if isinstance(source, Selection) else None
+    src_groups = _manifest_groups(source) if isinstance(source, BlockManifest) else None
+    if tuple(selected or src_groups or ()) != order:
+        what = "layerwise selection" if selected is not None else "source manifest"
+        raise PlanError(f"{what} group order disagrees with the source layout")
 
     out = []
     for gid in order:
-        src_ids, dst_ids = pairs[gid]
+        dst_ids = _ids(dst_groups[gid], what="destination blocks", group_id=gid)
+        if selected is not None:
+            src_list, position_list = selected[gid]
+            src_ids = _ids(src_list, what="source blocks", group_id=gid)
+            positions = _ids(position_list, what="selection positions", group_id=gid)
+            _check_range(positions, len(dst_ids), what="layerwise selection position", group_id=gid)
+            dst_ids = dst_ids[positions]
+        else:
+            assert src_groups is not None
+            src_ids = _ids(src_groups[gid], what="source blocks", group_id=gid)
         if len(src_ids) != len(dst_ids):
             raise PlanError(
                 f"cache group {gid!r} pairs {len(src_ids)} source blocks with "
                 f"{len(dst_ids)} destination blocks"
             )
+        _check_range(dst_ids, dst_contract.page_count(gid), what="destination block", group_id=gid)
         if filtered and gid in owner_filters:
             owner = owner_filters[gid]
             if owner is None:
                 continue
-            kept = [i for i, block in enumerate(src_ids) if owner.owns(block)]
-            src_ids = [owner.local_page(src_ids[i]) for i in kept]
-            dst_ids = [dst_ids[i] for i in kept]
-        if not src_ids:
-            continue
-        out.append(
-            _GroupPages(
-                gid,
-                _as_pages(src_ids, src_contract.page_count(gid), side="source", group_id=gid),
-                _as_pages(dst_ids, dst_contract.page_count(gid), side="destination", group_id=gid),
+            _check_range(
+                src_ids,
+                1 + (src_contract.page_count(gid) - 1) * owner.owner_count,
+                what="source virtual block",
+                group_id=gid,
             )
-        )
+            kept = (src_ids >= 1) & ((src_ids - 1) % owner.owner_count == owner.owner_rank)
+            src_ids = (src_ids[kept] - 1) // owner.owner_count + 1
+            dst_ids = dst_ids[kept]
+        else:
+            _check_range(src_ids, src_contract.page_count(gid), what="source block", group_id=gid)
+        if len(src_ids):
+            out.append(_GroupPages(gid, src_ids, dst_ids))
     return out
 
 

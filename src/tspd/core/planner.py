@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
 
-from tspd.core.contract import CacheContract, FieldSpec, validate_peer_layout
+from tspd.core.contract import CacheContract, FieldSpec, Partition, validate_peer_layout
 from tspd.core.errors import PlanError
 
 __all__ = [
@@ -174,6 +174,19 @@ def _check_tp_sizes(prefill_tp: int, decode_tp: int) -> None:
         raise PlanError("Cache TP sizes cannot exceed 1024")
 
 
+def _shards(spec: FieldSpec, partition: Partition, tp: int) -> _Shards:
+    """How ``spec``'s partition spreads over ``tp`` ranks, or :class:`PlanError`."""
+    local = spec.shape[partition.axis]
+    extent = partition.global_extent
+    shards = extent // local
+    if extent % local or shards > tp or tp % shards or any(p % shards for p in partition.parts):
+        raise PlanError(
+            f"Cache field {spec.field_id!r} cannot map global extent {extent} "
+            f"and local extent {local} to TP={tp}"
+        )
+    return _Shards(local, tp // shards, partition.parts, shards)
+
+
 def _shard_count(contract: CacheContract, group_id: str) -> int:
     """A group's DCP shard count (S3 ``shard_count``; 1 = unsharded, the only value
     an S1 contract can carry)."""
@@ -213,6 +226,23 @@ class RoutePlanner:
             )
             for gid in self._group_ids
         }
+        pairs = [pair for group in self._pairs.values() for pair in group]
+        # Checks in the order of the spec's §6.1 table, so that a contract with
+        # several faults reports the one TokenSpeed would.
+        if prefill_tp == decode_tp:
+            for local, peer in pairs:
+                if local.shape != peer.shape or local.payload_bytes != peer.payload_bytes:
+                    raise PlanError(
+                        f"equal-TP Cache field {local.field_id!r} rank-local geometry differs"
+                    )
+        self._partitions: dict[str, tuple[_Shards, _Shards]] = {}
+        for local, peer in pairs:
+            partition = prefill.partition_of(local.field_id)
+            if partition is not None:
+                self._partitions[local.field_id] = (
+                    _shards(local, partition, prefill_tp),
+                    _shards(peer, partition, decode_tp),
+                )
         self._sharded: dict[str, int] = {}
         for gid in self._group_ids:
             if _shard_count(decode, gid) > 1:
@@ -220,6 +250,7 @@ class RoutePlanner:
                     f"cache group {gid!r} is sharded on Decode; PD transfer into a "
                     "DCP-sharded destination is not supported"
                 )
+        for gid in self._group_ids:
             shards = _shard_count(prefill, gid)
             if shards > 1:
                 if prefill_tp % shards:
@@ -228,26 +259,11 @@ class RoutePlanner:
                         f"Prefill TP={prefill_tp}"
                     )
                 self._sharded[gid] = shards
-
-        self._partitions: dict[str, tuple[_Shards, _Shards]] = {}
-        for gid, pairs in self._pairs.items():
-            for local, peer in pairs:
-                partition = prefill.partition_of(local.field_id)
-                if partition is None:
-                    if prefill_tp == decode_tp and local.shape != peer.shape:
-                        self._equal_tp_mismatch(local.field_id)
-                    continue
-                if gid in self._sharded:
-                    raise PlanError(
-                        f"cache field {local.field_id!r} is both head-partitioned and "
-                        "page-sharded on Prefill"
-                    )
-                if prefill_tp == decode_tp and local.shape != peer.shape:
-                    self._equal_tp_mismatch(local.field_id)
-                parts = partition.parts
-                self._partitions[local.field_id] = (
-                    self._shards(local, partition.axis, partition.global_extent, parts, prefill_tp),
-                    self._shards(peer, partition.axis, partition.global_extent, parts, decode_tp),
+        for local, _ in pairs:
+            if local.field_id in self._partitions and local.group_id in self._sharded:
+                raise PlanError(
+                    f"cache field {local.field_id!r} is both head-partitioned and "
+                    "page-sharded on Prefill"
                 )
         self._whole_copy = prefill_tp == decode_tp and not self._sharded
 
@@ -255,29 +271,6 @@ class RoutePlanner:
     def sharded_groups(self) -> Mapping[str, int]:
         """Prefill groups dealt over DCP owners, with their shard counts."""
         return MappingProxyType(self._sharded)
-
-    @staticmethod
-    def _equal_tp_mismatch(field_id: str) -> None:
-        raise PlanError(f"equal-TP Cache field {field_id!r} rank-local geometry differs")
-
-    @staticmethod
-    def _shards(
-        spec: FieldSpec, axis: int, global_extent: int, parts: tuple[int, ...], tp: int
-    ) -> _Shards:
-        local = spec.shape[axis]
-        shards = global_extent // local if local > 0 else 0
-        if (
-            local <= 0
-            or global_extent % local
-            or shards > tp
-            or tp % shards
-            or any(part % shards for part in parts)
-        ):
-            raise PlanError(
-                f"Cache field {spec.field_id!r} cannot map global extent {global_extent} "
-                f"and local extent {local} to TP={tp}"
-            )
-        return _Shards(local, tp // shards, parts, shards)
 
     # -- routes ---------------------------------------------------------------
 
