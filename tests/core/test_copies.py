@@ -7,6 +7,7 @@ small loop-per-page reference written here from the §6.7 pseudocode.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ from tspd.core.planner import (
     RoutePlanner,
     plan_registration,
 )
+from tspd.testing.layouts import multi_layer_contract, room_manifest
 
 WIDTH = {"uint8": 1, "bfloat16": 2, "float32": 4}
 
@@ -762,3 +764,82 @@ def test_contiguous_pages_collapse_to_one_copy_per_field(
     merged = coalesce(plan)
     assert len(merged) == 3
     assert merged.length.tolist() == [f.payload_bytes * n for f in src.plan.fields]
+
+
+# -- realistic layouts (tspd.testing.layouts) ------------------------------------------
+
+
+def test_a_large_contiguous_room_is_a_handful_of_descriptors() -> None:
+    """4,096 pages (above Mooncake TCP's 2,048 queued transfers per peer) of 2 layers'
+    K and V: 16,384 page copies coalesce into one run per field, one engine call."""
+    c = multi_layer_contract(layers=2, num_pages=4096, heads=1, head_dim=8)
+    room = room_manifest(c, prompt_len=4096 * 4)
+    plan = plan_copies(
+        src_contract=c,
+        src_base=0x10000,
+        dst_contract=c,
+        dst_base=0x7000_0000,
+        dst_manifest=room,
+        source=room,
+        registration=WHOLE,
+    )
+    assert len(plan) == 4 * 4096
+    merged = coalesce(plan)
+    assert len(merged) == 4
+    assert merged.total_bytes == plan.total_bytes
+    assert [len(b) for b in batches(merged)] == [4]
+    assert len(list(batches(plan))) == 16
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "heads"), [(1, 2, 4), (2, 1, 4), (4, 1, 2), (2, 4, 2)])
+def test_model_layouts_cover_every_decode_byte_once(p_tp: int, d_tp: int, heads: int) -> None:
+    def rank_layout(tp: int) -> CacheContract:
+        local = max(1, heads // tp)
+        return multi_layer_contract(
+            layers=2,
+            num_pages=12,
+            heads=local,
+            head_dim=4,
+            tp_size=tp,
+            global_heads=heads,
+            with_state_group=True,
+            state_dim=3,
+        )
+
+    prefill, decode = rank_layout(p_tp), rank_layout(d_tp)
+    planner = RoutePlanner(p_tp, d_tp, prefill, decode)
+    rng = random.Random(7)
+    source = room_manifest(prefill, prompt_len=30, rng=rng, contiguous=False)
+    for d in range(d_tp):
+        room = room_manifest(decode, prompt_len=30, rng=rng, contiguous=False)
+        counts = np.zeros(decode.arena_bytes, dtype=np.int64)
+        for p in planner.plan(d).target_prefill_ranks:
+            planned = plan_registration(
+                prefill_tp=p_tp,
+                prefill_rank=p,
+                prefill_contract=prefill,
+                decode_tp=d_tp,
+                decode_rank=d,
+                decode_contract=decode,
+            )
+            plan = coalesce(
+                plan_copies(
+                    src_contract=prefill,
+                    src_base=0,
+                    dst_contract=decode,
+                    dst_base=0,
+                    dst_manifest=room,
+                    source=source,
+                    registration=planned,
+                )
+            )
+            for dst, n in zip(plan.dst.tolist(), plan.length.tolist(), strict=True):
+                counts[dst : dst + n] += 1
+        expected = np.zeros_like(counts)
+        for group in room.groups:
+            for f in decode.fields_for_group(group.group_id):
+                for page in group.block_ids:
+                    start = decode.page_offset(f, page)
+                    expected[start : start + f.payload_bytes] += 1
+        assert expected.sum() > 0
+        assert np.array_equal(counts, expected)
