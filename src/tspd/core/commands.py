@@ -1,0 +1,211 @@
+"""What the Prefill and Decode cores ask of their shell, and tell their scheduler.
+
+The cores (:mod:`tspd.core.prefill`, :mod:`tspd.core.decode`) perform no I/O: every
+action is a frozen *command* queued in order and drained with ``drain_commands()``.
+The shell executes them in that order:
+
+* :class:`SendFrames` — push ``frames`` to the PULL socket at ``address``.
+* :class:`StartTransfer` — run one room's planned writes on worker ``shard``.
+* :class:`FetchParallelInfo` / :class:`FetchRankInfo` — bootstrap-server lookups
+  (Decode); answer with ``parallel_info(...)`` / ``rank_info(...)``.
+* :class:`RoomFailed` — a room failed (once per room): log and count it.
+* :class:`Log` — an operator-facing message the core wants logged.
+
+The scheduler gets *events* back from ``conclude()``: :class:`Bootstrapped`,
+:class:`Succeeded`, :class:`Failed` and (Decode) :class:`RemotePrefillDone`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from tspd.core.copies import CopyPlan
+
+__all__ = [
+    "Bootstrapped",
+    "Command",
+    "DestinationWrite",
+    "Event",
+    "Failed",
+    "FetchParallelInfo",
+    "FetchRankInfo",
+    "Log",
+    "LogLevel",
+    "RemotePrefillDone",
+    "RoomFailed",
+    "SendFrames",
+    "StartTransfer",
+    "Succeeded",
+    "TransferInterval",
+]
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True, slots=True)
+class SendFrames:
+    """Push one multipart message to a peer's PULL socket at ``tcp://{host}:{port}``.
+
+    ``endpoint`` is the address the peer published (a Decode registration's frame 1,
+    or a Prefill rank's ``rank_ip``); only its part before any ``:`` is the host
+    (spec §3). ``room`` names the room the message is about, for logs.
+    """
+
+    endpoint: str
+    port: int
+    frames: tuple[bytes, ...]
+    room: int | None = None
+
+    @property
+    def address(self) -> str:
+        """The ZMQ address to connect a PUSH socket to."""
+        return f"tcp://{self.endpoint.split(':', 1)[0]}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class DestinationWrite:
+    """One destination's copies in one interval of a transfer.
+
+    ``plan`` is coalesced and checked against both registered arenas; cut it into
+    engine calls with :func:`tspd.core.copies.batches`. An empty plan needs no call.
+    ``endpoint``/``port`` are the destination's status route, for error messages.
+    """
+
+    session_id: str
+    endpoint: str
+    port: int
+    plan: CopyPlan
+
+
+@dataclass(frozen=True, slots=True)
+class TransferInterval:
+    """Writes that may start once the producer step counter is strictly past
+    ``target_step`` (:func:`tspd.core.schedule.step_ready`); ``None``: at once (a full
+    transfer). Destinations are written one after another in order."""
+
+    target_step: int | None
+    writes: tuple[DestinationWrite, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StartTransfer:
+    """One chunk of a room's KV, every copy planned before the first write.
+
+    Run it on transfer worker ``shard`` (sum of the room's destination session ports
+    mod the worker count, spec §6.8), after every earlier chunk queued on that worker:
+    a room's chunks must stay in order. For each interval in order: wait for
+    ``target_step`` (while waiting, every ~100 ms stop if the core says the room
+    ended, and report ``transfer_failed(room, None, f"Cache-transfer layerwise peer
+    failed for room {room}", now)`` if a session in ``sessions`` is no longer alive),
+    then write every destination. A failed write: ``transfer_failed(room,
+    session_id, str(error), now)`` and stop. When every interval is written and
+    ``final`` is set, call ``transfer_succeeded(room, now)``; the core then sends the
+    success status messages (once the bootstrap token is known) and marks ``Success``.
+    A non-final layerwise chunk needs no report.
+    """
+
+    room: int
+    shard: int
+    intervals: tuple[TransferInterval, ...]
+    final: bool
+    sessions: tuple[str, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes this chunk writes, over every interval and destination."""
+        return sum(w.plan.total_bytes for i in self.intervals for w in i.writes)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchParallelInfo:
+    """Decode: ``GET /route?engine_rank=-1&target_dp_group=-1`` on ``bootstrap_addr``
+    (``host:port``), then call ``parallel_info(bootstrap_addr, info_or_error, now)``."""
+
+    bootstrap_addr: str
+
+
+@dataclass(frozen=True, slots=True)
+class FetchRankInfo:
+    """Decode: ``GET /route?engine_rank={engine_rank}&target_dp_group={dp_group}`` on
+    ``bootstrap_addr``, then call ``rank_info(bootstrap_addr, dp_group, engine_rank,
+    info_or_error, now)``."""
+
+    bootstrap_addr: str
+    engine_rank: int
+    dp_group: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomFailed:
+    """A room failed on this rank (emitted once per room). ``timeout_stage`` names
+    the phase when a timeout caused it (``"bootstrapping"``, ``"waiting_for_input"``),
+    for the timeout metric."""
+
+    room: int
+    reason: str
+    timeout_stage: str | None = None
+
+
+class LogLevel(enum.StrEnum):
+    """Severity of a :class:`Log` command (the names of :mod:`logging` levels)."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    """An operator-facing message: what happened, to which room or peer."""
+
+    level: LogLevel
+    message: str
+    room: int | None = None
+
+
+Command = SendFrames | StartTransfer | FetchParallelInfo | FetchRankInfo | RoomFailed | Log
+
+
+# ------------------------------------------------------------------------------ events
+
+
+@dataclass(frozen=True, slots=True)
+class Bootstrapped:
+    """Every rank of the TP group has the request's destinations (Prefill) or its
+    route (Decode): the scheduler may go on with it."""
+
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class Succeeded:
+    """Prefill: the request's KV reached every destination; it is forgotten."""
+
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The request failed on some rank of the group; it is forgotten. ``reason`` is
+    this rank's first recorded reason for the room."""
+
+    rid: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefillDone:
+    """Decode: the request's KV arrived from every expected Prefill rank; decoding may
+    start from ``bootstrap_token`` (``-1``: none)."""
+
+    rid: str
+    bootstrap_token: int
+    spec_candidate_ids: tuple[int, ...]
+    cached_tokens: int
+    bootstrap_logprob: float | None
+
+
+Event = Bootstrapped | Succeeded | Failed | RemotePrefillDone

@@ -1,0 +1,658 @@
+"""``DecodeCore``: one Decode rank's protocol state, sans-IO (spec §7.5-7.6, §7.9.3).
+
+A Decode rank plans the route to the Prefill TP ranks of each request's bootstrap
+address, registers with them, pre-allocates, counts completions and heartbeats the
+Prefill bootstrap servers. The core keeps every table; the shell does the I/O.
+
+How the shell drives it (one Trio task owns the core; nothing here is thread-safe):
+
+* **Scheduler**, on every rank of the attention-TP group in the same order:
+  :meth:`~DecodeCore.register_request` per new request; once its ``Bootstrapped``
+  event came and its pages are allocated and zeroed,
+  :meth:`~DecodeCore.send_preallocation`; each iteration, when
+  :meth:`~DecodeCore.has_in_flight`: ``values = core.poll_values(now)``, the MIN
+  all-reduce over the group, ``events = core.conclude(agreed, now)``.
+* **Bootstrap client**: execute :class:`~tspd.core.commands.FetchParallelInfo` and
+  :class:`~tspd.core.commands.FetchRankInfo` and answer with
+  :meth:`~DecodeCore.parallel_info` / :meth:`~DecodeCore.rank_info` (pass the parsed
+  info, or an error string when the fetch or the parse failed).
+* **Status socket**: every message received: :meth:`~DecodeCore.receive_status`.
+* **Heartbeat task**: every interval, ``GET /health`` on each of
+  :meth:`~DecodeCore.bootstrap_addrs` and report :meth:`~DecodeCore.heartbeat`.
+* **Timer**: sleep until :meth:`~DecodeCore.next_deadline`, then
+  :meth:`~DecodeCore.handle_timeout` (the waiting timeout; the poll sees it too).
+* After **every** call, execute :meth:`~DecodeCore.drain_commands` in order.
+
+Nothing a peer sends, and no planning error, raises into the engine: the room fails
+with the spec's reason (§7.5) instead. Only caller errors raise
+(:class:`~tspd.core.errors.ProtocolError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tspd.core import wire
+from tspd.core.bootstrap import ParallelInfo, RankInfo
+from tspd.core.commands import (
+    Bootstrapped,
+    Command,
+    Event,
+    Failed,
+    FetchParallelInfo,
+    FetchRankInfo,
+    Log,
+    LogLevel,
+    RemotePrefillDone,
+    RoomFailed,
+    SendFrames,
+)
+from tspd.core.contract import CacheContract, parse_contract
+from tspd.core.errors import ConfigError, ProtocolError, TspdError
+from tspd.core.machines import (
+    DECODE_ROOM_TABLE,
+    PREFILL_ADDRESS_HEALTH_TABLE,
+    AddressHealth,
+    DecodeTrigger,
+    HealthTrigger,
+    RoomState,
+)
+from tspd.core.manifest import BlockManifest, build_manifest, validate_manifest
+from tspd.core.planner import RoutePlanner
+from tspd.core.poll import TransferPoll
+from tspd.core.rooms import RoomTable
+
+__all__ = ["DecodeConfig", "DecodeCore"]
+
+_EARLY_COMPLETION = "Received KV completion before its transfer route was registered"
+_UNEXPECTED_RANK = "Received KV completion from an unexpected Prefill TP rank"
+_SET_MISMATCH = "Prefill TP completion set disagrees with the transfer route"
+_PREFILL_FAILED = "Failed to get kvcache from prefill instance, it might be dead"
+_WAITING_WARNING = (
+    "Some requests timed out waiting for their KV cache: the prefill instance never "
+    "reported them. Raise TOKENSPEED_DISAGGREGATION_WAITING_TIMEOUT if a longer TTFT "
+    "is acceptable."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Everything a Decode rank's core needs, fixed at start.
+
+    ``endpoint``/``port``: where this rank's status PULL socket listens (sent in
+    registrations). ``session_id``: this rank's transfer-engine session
+    (``"ip:rpc_port"``). ``arena_base``: its registered arena (Prefill writes there).
+    """
+
+    tp_size: int
+    tp_rank: int
+    contract: CacheContract
+    arena_base: int
+    session_id: str
+    endpoint: str
+    port: int
+    waiting_timeout: float = 300.0
+    heartbeat_max_failures: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        if self.waiting_timeout <= 0:
+            raise ConfigError(f"the waiting timeout must be positive, got {self.waiting_timeout}")
+        if self.heartbeat_max_failures < 1:
+            raise ConfigError(
+                "TOKENSPEED_DISAGGREGATION_HEARTBEAT_MAX_FAILURE must be at least 1, got "
+                f"{self.heartbeat_max_failures}"
+            )
+
+
+@dataclass(slots=True)
+class _Receiver:
+    rid: str
+    room: int
+    addr: str
+    started: float
+    local: RoomState = RoomState.BOOTSTRAPPING
+    concluded: TransferPoll | None = None
+    timeout_stage: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    dp_group: int
+    #: Every Prefill rank registered and pre-allocated with (targets and dummies).
+    targets: tuple[int, ...]
+    #: The ranks whose Success completes the room (dummies never report).
+    expected: frozenset[int]
+
+
+@dataclass(slots=True)
+class _Completion:
+    done: set[int] = field(default_factory=set)
+    cached_tokens: int = 0
+    bootstrap_token: int = -1
+    spec_candidate_ids: tuple[int, ...] | None = None
+    bootstrap_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class _Address:
+    """What is cached for one Prefill bootstrap address while it is healthy."""
+
+    info: ParallelInfo
+    #: The route planner, or the reason planning against this address fails.
+    planner: RoutePlanner | str
+    health: AddressHealth = AddressHealth.HEALTHY
+    failures: int = 0
+
+
+class DecodeCore:
+    """One Decode rank's requests, routes, registrations and completions. See the
+    module docstring for when the shell calls what."""
+
+    def __init__(self, config: DecodeConfig) -> None:
+        self.config = config
+        self._rooms = RoomTable(DECODE_ROOM_TABLE)
+        self._receivers: dict[str, _Receiver] = {}
+        self._rid_of_room: dict[int, str] = {}
+        self._addresses: dict[str, _Address] = {}
+        #: Rooms waiting for an address's parallel info.
+        self._awaiting_info: dict[str, list[int]] = {}
+        self._rank_infos: dict[tuple[str, int, int], RankInfo] = {}
+        #: Rooms waiting for one Prefill rank's control endpoint.
+        self._awaiting_rank: dict[tuple[str, int, int], set[int]] = {}
+        #: Prefill ranks this rank registered with (the "connection pool").
+        self._registered: set[tuple[str, int, int]] = set()
+        #: Rooms per bootstrap address (the heartbeat's room tracker).
+        self._tracker: dict[str, set[int]] = {}
+        self._routes: dict[int, _Route] = {}
+        self._completions: dict[int, _Completion] = {}
+        self._waiting_since: dict[int, float] = {}
+        self._commands: list[Command] = []
+        self._waiting_warned = False
+        self._registration_frames = tuple(
+            wire.encode_registration(
+                wire.Registration(
+                    endpoint=config.endpoint,
+                    port=config.port,
+                    session_id=config.session_id,
+                    arena_base=config.arena_base,
+                    contract=config.contract,
+                    contract_bytes=config.contract.to_json(),
+                    decode_tp_size=config.tp_size,
+                    decode_tp_rank=config.tp_rank,
+                )
+            )
+        )
+
+    # ------------------------------------------------------------------ outputs
+
+    def drain_commands(self) -> list[Command]:
+        """Every command queued since the last drain, in order."""
+        commands, self._commands = self._commands, []
+        return commands
+
+    def _log(self, level: LogLevel, message: str, room: int | None = None) -> None:
+        self._commands.append(Log(level, message, room))
+
+    # ------------------------------------------------------------------ queries
+
+    def room_state(self, room: int) -> RoomState:
+        """The room's state on this rank (``ABSENT`` if it has none)."""
+        return self._rooms.state(room)
+
+    def room_failure(self, room: int) -> str | None:
+        """The room's first recorded failure reason."""
+        return self._rooms.failure(room)
+
+    def has_in_flight(self) -> bool:
+        """Whether any request is tracked (the scheduler polls only then)."""
+        return bool(self._receivers)
+
+    def tracked_rooms(self) -> list[int]:
+        """The rooms of tracked requests, ascending."""
+        return sorted(self._rid_of_room)
+
+    def bootstrap_addrs(self) -> list[str]:
+        """The Prefill bootstrap addresses to heartbeat: those with cached parallel info."""
+        return sorted(self._addresses)
+
+    def statistics(self) -> dict[str, int]:
+        """Table sizes. Every per-room table is empty once all rooms have ended;
+        ``addresses``, ``rank_infos`` and ``registered_ranks`` are per Prefill peer."""
+        return {
+            "rooms": len(self._rooms),
+            "tracked_requests": len(self._receivers),
+            "routes": len(self._routes),
+            "completions": len(self._completions),
+            "waiting": len(self._waiting_since),
+            "tracker_rooms": sum(len(rooms) for rooms in self._tracker.values()),
+            "awaiting_info": sum(len(rooms) for rooms in self._awaiting_info.values()),
+            "awaiting_rank": sum(len(rooms) for rooms in self._awaiting_rank.values()),
+            "addresses": len(self._addresses),
+            "rank_infos": len(self._rank_infos),
+            "registered_ranks": len(self._registered),
+        }
+
+    # ------------------------------------------------------------------ room helpers
+
+    def _fail(self, room: int, reason: str, trigger: str = DecodeTrigger.FAIL) -> None:
+        if self._rooms.state(room) is RoomState.ABSENT:
+            return
+        newly = self._rooms.state(room) is not RoomState.FAILED
+        self._rooms.record_failure(room, reason)
+        self._rooms.fire(room, trigger)
+        if newly and self._rooms.state(room) is RoomState.FAILED:
+            kept = self._rooms.failure(room) or reason
+            self._commands.append(RoomFailed(room, kept))
+            self._log(LogLevel.WARNING, f"room {room} failed: {kept}", room)
+
+    def _forget(self, receiver: _Receiver) -> None:
+        room = receiver.room
+        del self._receivers[receiver.rid]
+        self._rid_of_room.pop(room, None)
+        self._rooms.forget(room)
+        self._routes.pop(room, None)
+        self._completions.pop(room, None)
+        self._waiting_since.pop(room, None)
+        tracked = self._tracker.get(receiver.addr)
+        if tracked is not None:
+            tracked.discard(room)
+            if not tracked and receiver.addr not in self._addresses:
+                del self._tracker[receiver.addr]
+        waiting = self._awaiting_info.get(receiver.addr)
+        if waiting is not None and room in waiting:
+            waiting.remove(room)
+        for key in [k for k, rooms in self._awaiting_rank.items() if room in rooms]:
+            self._awaiting_rank[key].discard(room)
+
+    # ------------------------------------------------------------------ bootstrap
+
+    def register_request(self, rid: str, room: int, bootstrap_addr: str, now: float) -> None:
+        """Track request ``rid`` for ``room`` at Prefill ``bootstrap_addr``
+        (``host:port``): the room is ``Bootstrapping``; its route is planned as soon
+        as the address's parallel info is known (fetched once per address)."""
+        if not 0 <= room <= wire.MAX_ROOM:
+            raise ProtocolError(f"bootstrap_room {room} of request {rid} is outside [0, 2^63-1]")
+        if rid in self._receivers:
+            raise ProtocolError(f"request {rid} is already registered (room {room})")
+        if room in self._rid_of_room:
+            raise ProtocolError(
+                f"room {room} is already used by request {self._rid_of_room[room]} on this rank"
+            )
+        self._rooms.fire(room, DecodeTrigger.REGISTER)
+        self._receivers[rid] = _Receiver(rid, room, bootstrap_addr, now)
+        self._rid_of_room[room] = rid
+        self._tracker.setdefault(bootstrap_addr, set()).add(room)
+        if bootstrap_addr in self._addresses:
+            self._route(room, bootstrap_addr)
+            return
+        waiting = self._awaiting_info.setdefault(bootstrap_addr, [])
+        if not waiting:
+            self._commands.append(FetchParallelInfo(bootstrap_addr))
+        waiting.append(room)
+
+    def parallel_info(self, bootstrap_addr: str, info: ParallelInfo | str, now: float) -> None:
+        """The answer to :class:`FetchParallelInfo`: the parsed info, or an error text.
+        An error fails every room waiting for it (spec §7.5)."""
+        waiting = self._awaiting_info.pop(bootstrap_addr, [])
+        if isinstance(info, str):
+            self._log(
+                LogLevel.ERROR,
+                f"fetching parallel info from Prefill bootstrap {bootstrap_addr} failed: {info}",
+            )
+            for room in waiting:
+                self._fail(
+                    room,
+                    f"Could not fetch prefill parallel info from bootstrap_addr: {bootstrap_addr}",
+                )
+            return
+        self._addresses[bootstrap_addr] = _Address(info, self._planner(bootstrap_addr, info))
+        self._tracker.setdefault(bootstrap_addr, set())
+        for room in waiting:
+            self._route(room, bootstrap_addr)
+
+    def _planner(self, bootstrap_addr: str, info: ParallelInfo) -> RoutePlanner | str:
+        try:
+            if not info.cache_layout:
+                return "Cache-transfer decode connected to a non-Cache-transfer prefill"
+            if info.tp_size < 1 or info.dp_size < 1 or info.tp_size_per_dp < 1:
+                return (
+                    f"Prefill bootstrap {bootstrap_addr} reports an invalid topology: "
+                    f"tp_size={info.tp_size}, dp_size={info.dp_size}"
+                )
+            return RoutePlanner(
+                info.tp_size_per_dp,
+                self.config.tp_size,
+                parse_contract(info.cache_layout),
+                self.config.contract,
+            )
+        except TspdError as err:
+            return str(err)
+
+    def _route(self, room: int, bootstrap_addr: str) -> None:
+        if self._rooms.state(room) is not RoomState.BOOTSTRAPPING:
+            return
+        address = self._addresses[bootstrap_addr]
+        planner = address.planner
+        if isinstance(planner, str):
+            self._fail(room, planner)
+            return
+        rank = self.config.tp_rank
+        try:
+            expected = planner.expected_prefill_ranks(rank)
+            targets = planner.target_tp_ranks(rank)
+        except TspdError as err:
+            self._fail(room, str(err))
+            return
+        route = _Route(room % address.info.dp_size, targets, expected)
+        self._routes[room] = route
+        missing = False
+        for target in targets:
+            key = (bootstrap_addr, route.dp_group, target)
+            if key in self._rank_infos:
+                continue
+            missing = True
+            waiting = self._awaiting_rank.setdefault(key, set())
+            if not waiting:
+                self._commands.append(FetchRankInfo(bootstrap_addr, target, route.dp_group))
+            waiting.add(room)
+        if not missing:
+            self._routed(room, bootstrap_addr)
+
+    def rank_info(
+        self, bootstrap_addr: str, dp_group: int, engine_rank: int, info: RankInfo | str, now: float
+    ) -> None:
+        """The answer to :class:`FetchRankInfo`: the rank's control endpoint, or an
+        error text. An error fails every room waiting for it (spec §7.5)."""
+        key = (bootstrap_addr, dp_group, engine_rank)
+        waiting = sorted(self._awaiting_rank.pop(key, set()))
+        if isinstance(info, str):
+            self._log(
+                LogLevel.ERROR,
+                f"fetching Prefill rank {engine_rank} (DP group {dp_group}) from bootstrap "
+                f"{bootstrap_addr} failed: {info}",
+            )
+            for room in waiting:
+                self._fail(
+                    room,
+                    f"Could not fetch bootstrap info for engine rank: {engine_rank} and "
+                    f"target_dp_group: {dp_group}",
+                )
+            return
+        self._rank_infos[key] = info
+        for room in waiting:
+            route = self._routes.get(room)
+            if route is None or self._rooms.state(room) is not RoomState.BOOTSTRAPPING:
+                continue
+            if all((bootstrap_addr, route.dp_group, t) in self._rank_infos for t in route.targets):
+                self._routed(room, bootstrap_addr)
+
+    def _routed(self, room: int, bootstrap_addr: str) -> None:
+        route = self._routes[room]
+        for target in route.targets:
+            key = (bootstrap_addr, route.dp_group, target)
+            if key not in self._registered:
+                info = self._rank_infos[key]
+                self._registered.add(key)
+                self._commands.append(
+                    SendFrames(info.rank_ip, info.rank_port, self._registration_frames, room)
+                )
+        self._rooms.fire(room, DecodeTrigger.ROUTED)
+
+    # ------------------------------------------------------------------ pre-allocation
+
+    def send_preallocation(
+        self,
+        room: int,
+        manifest: BlockManifest | Mapping[str, Sequence[int]],
+        now: float,
+        *,
+        prefix_len: int = 0,
+        prompt_len: int | None = None,
+    ) -> None:
+        """Pre-allocate ``room`` with every target Prefill rank (spec §1.5 step 5).
+
+        ``manifest`` is the request's manifest, or its block-table row per group (then
+        ``prefix_len``/``prompt_len`` give the window). It is validated against this
+        rank's contract; an invalid one fails the room with the reason. Dummy ranks
+        get an empty manifest. The room becomes ``WaitingForInput`` and its waiting
+        timer starts. A room that already failed or ended is left alone.
+        """
+        state = self._rooms.state(room)
+        if state in (RoomState.ABSENT, RoomState.FAILED):
+            return
+        if state is not RoomState.BOOTSTRAPPED:
+            raise ProtocolError(
+                f"room {room} is {state.value}: pre-allocate only after its Bootstrapped event"
+            )
+        receiver = self._receivers[self._rid_of_room[room]]
+        route = self._routes[room]
+        try:
+            if not isinstance(manifest, BlockManifest):
+                if prompt_len is None:
+                    raise ProtocolError("a pre-allocation from block tables needs prompt_len")
+                manifest = build_manifest(self.config.contract, manifest, prefix_len, prompt_len)
+            validate_manifest(manifest, self.config.contract, "destination")
+            full = wire.encode_preallocation(room, self.config.session_id, manifest)
+            empty = wire.encode_preallocation(room, self.config.session_id, None)
+        except ProtocolError:
+            raise
+        except TspdError as err:
+            self._fail(room, f"invalid pre-allocation metadata: {err}")
+            return
+        for target in route.targets:
+            info = self._rank_infos[(receiver.addr, route.dp_group, target)]
+            frames = full if target in route.expected else empty
+            self._commands.append(SendFrames(info.rank_ip, info.rank_port, tuple(frames), room))
+        self._rooms.fire(room, DecodeTrigger.PREALLOCATED)
+        self._waiting_since[room] = now
+
+    # ------------------------------------------------------------------ status socket
+
+    def receive_status(self, frames: Sequence[bytes], now: float) -> None:
+        """Handle one status message from a Prefill rank (spec §4.5, §7.5). Malformed
+        messages are logged and dropped; messages for unknown rooms are ignored."""
+        try:
+            message = wire.decode_status(list(frames))
+        except TspdError as err:
+            self._log(LogLevel.WARNING, str(err))
+            return
+        room = message.room
+        state = self._rooms.state(room)
+        if state in (RoomState.ABSENT, RoomState.FAILED):
+            return
+        status = message.status
+        if status is TransferPoll.FAILED:
+            self._fail(room, _PREFILL_FAILED)
+        elif status is TransferPoll.SUCCESS:
+            self._completed_by(room, message)
+        elif status is TransferPoll.TRANSFERRING:
+            self._log(
+                LogLevel.WARNING, f"Req(room={room}) in Transferring, which is unexpected", room
+            )
+        else:
+            self._log(
+                LogLevel.DEBUG,
+                f"ignoring status {status.label} for room {room} from Prefill rank "
+                f"{message.prefill_rank}",
+                room,
+            )
+
+    def _completed_by(self, room: int, message: wire.StatusMessage) -> None:
+        route = self._routes.get(room)
+        if route is None:
+            self._fail(room, _EARLY_COMPLETION)
+            return
+        rank = message.prefill_rank
+        if rank not in route.expected:
+            self._fail(room, _UNEXPECTED_RANK)
+            return
+        completion = self._completions.setdefault(room, _Completion())
+        completion.done.add(rank)
+        completion.cached_tokens = max(completion.cached_tokens, message.cached_tokens)
+        if completion.bootstrap_token == -1 and message.bootstrap_token != -1:
+            completion.bootstrap_token = message.bootstrap_token
+        if completion.spec_candidate_ids is None and message.spec_candidate_ids:
+            completion.spec_candidate_ids = message.spec_candidate_ids
+        if completion.bootstrap_logprob is None:
+            completion.bootstrap_logprob = message.bootstrap_logprob
+        if len(completion.done) < len(route.expected):
+            self._rooms.fire(room, DecodeTrigger.RANK_DONE)
+        elif completion.done != route.expected:
+            self._fail(room, _SET_MISMATCH)
+        else:
+            self._rooms.fire(room, DecodeTrigger.COMPLETED)
+
+    # ------------------------------------------------------------------ heartbeat
+
+    def heartbeat(self, bootstrap_addr: str, ok: bool, now: float) -> None:
+        """One heartbeat outcome for ``bootstrap_addr`` (spec §7.9.3). ``ok`` resets the
+        failure count and prunes the address's room tracker; the
+        ``heartbeat_max_failures``-th consecutive failure declares the address dead:
+        its cached info and registrations are dropped and every tracked room not yet
+        ``Success`` fails."""
+        address = self._addresses.get(bootstrap_addr)
+        if address is None:
+            return
+        if ok:
+            address.health = AddressHealth(
+                PREFILL_ADDRESS_HEALTH_TABLE.fire(address.health, HealthTrigger.BEAT_OK)
+            )
+            address.failures = 0
+            tracked = self._tracker.get(bootstrap_addr, set())
+            tracked.intersection_update(r for r in list(tracked) if r in self._rid_of_room)
+            return
+        address.failures += 1
+        if address.failures < self.config.heartbeat_max_failures:
+            address.health = AddressHealth(
+                PREFILL_ADDRESS_HEALTH_TABLE.fire(address.health, HealthTrigger.BEAT_FAILED)
+            )
+            return
+        PREFILL_ADDRESS_HEALTH_TABLE.fire(address.health, HealthTrigger.GIVE_UP)
+        self._drop_address(bootstrap_addr)
+
+    def _drop_address(self, bootstrap_addr: str) -> None:
+        del self._addresses[bootstrap_addr]
+        for key in [k for k in self._rank_infos if k[0] == bootstrap_addr]:
+            del self._rank_infos[key]
+        self._registered = {k for k in self._registered if k[0] != bootstrap_addr}
+        rooms = sorted(self._tracker.pop(bootstrap_addr, set()))
+        reason = f"Losing connection with prefill instance (bootstrap_addr: {bootstrap_addr})"
+        affected = 0
+        for room in rooms:
+            if self._rooms.state(room) in (RoomState.SUCCESS, RoomState.ABSENT):
+                continue
+            affected += 1
+            self._fail(room, reason, DecodeTrigger.PREFILL_LOST)
+        self._log(LogLevel.ERROR, f"{reason}, affected {affected} requests")
+        live = [r for r in rooms if r in self._rid_of_room]
+        if live:
+            # Requests still tracked keep their address entry until they end.
+            self._tracker[bootstrap_addr] = set(live)
+
+    # ------------------------------------------------------------------ scheduler
+
+    def _check_waiting(self, receiver: _Receiver, now: float) -> bool:
+        room = receiver.room
+        since = self._waiting_since.get(room)
+        if (
+            since is None
+            or receiver.concluded is not None
+            or self._rooms.state(room) is not RoomState.WAITING_FOR_INPUT
+            or now - since < self.config.waiting_timeout
+        ):
+            return False
+        if not self._waiting_warned:
+            self._waiting_warned = True
+            self._log(LogLevel.WARNING, _WAITING_WARNING)
+        reason = (
+            f"Request {room} timed out after {now - since:.1f}s in "
+            f"{TransferPoll.WAITING_FOR_INPUT.label}"
+        )
+        if self._rooms.record_failure(room, reason):
+            self._commands.append(RoomFailed(room, reason, "waiting_for_input"))
+        self._rooms.fire(room, DecodeTrigger.WAITING_TIMEOUT)
+        receiver.concluded = TransferPoll.FAILED
+        return True
+
+    def poll_values(self, now: float) -> list[int]:
+        """This rank's value per tracked request, in registration order, for the MIN
+        all-reduce (spec §7.6). A request waiting for input past the waiting timeout
+        concludes ``Failed`` with its reason."""
+        values: list[int] = []
+        for receiver in self._receivers.values():
+            if receiver.concluded is None:
+                self._check_waiting(receiver, now)
+            if receiver.concluded is not None:
+                values.append(int(receiver.concluded))
+                continue
+            status = self._rooms.poll(receiver.room)
+            if status in (TransferPoll.SUCCESS, TransferPoll.FAILED):
+                receiver.concluded = status
+            values.append(int(status))
+        return values
+
+    def conclude(self, agreed: Sequence[int], now: float) -> list[Event]:
+        """Apply the group's agreed values and return the scheduler's events; requests
+        that ended are forgotten with their rooms."""
+        receivers = list(self._receivers.values())
+        if len(agreed) != len(receivers):
+            raise ProtocolError(
+                f"the replica agreement returned {len(agreed)} values for "
+                f"{len(receivers)} tracked requests: every rank must track the same requests"
+            )
+        events: list[Event] = []
+        for receiver, value in zip(receivers, agreed, strict=True):
+            poll = TransferPoll.from_wire(value)
+            room = receiver.room
+            if poll is TransferPoll.FAILED:
+                if self._rooms.state(room) is not RoomState.FAILED:
+                    self._fail(
+                        room, f"Request {room} failed on another rank of the Decode TP group"
+                    )
+                reason = self._rooms.failure(room) or f"Request {room} failed"
+                events.append(Failed(receiver.rid, reason))
+                self._forget(receiver)
+            elif receiver.local is RoomState.BOOTSTRAPPING and poll in (
+                TransferPoll.BOOTSTRAPPED,
+                TransferPoll.WAITING_FOR_INPUT,
+                TransferPoll.SUCCESS,
+            ):
+                receiver.local = RoomState.BOOTSTRAPPED
+                events.append(Bootstrapped(receiver.rid))
+            elif receiver.local is RoomState.BOOTSTRAPPED and poll is TransferPoll.SUCCESS:
+                completion = self._completions.get(room) or _Completion()
+                events.append(
+                    RemotePrefillDone(
+                        receiver.rid,
+                        completion.bootstrap_token,
+                        completion.spec_candidate_ids or (),
+                        completion.cached_tokens,
+                        completion.bootstrap_logprob,
+                    )
+                )
+                self._forget(receiver)
+        return events
+
+    # ------------------------------------------------------------------ timers
+
+    def next_deadline(self) -> float | None:
+        """The earliest waiting-timeout expiry, or ``None``."""
+        return min(
+            (since + self.config.waiting_timeout for since in self._waiting_since.values()),
+            default=None,
+        )
+
+    def handle_timeout(self, now: float) -> None:
+        """Conclude every request waiting for input past the waiting timeout (the poll
+        does the same; whichever runs first records the reason)."""
+        for receiver in self._receivers.values():
+            self._check_waiting(receiver, now)
+        for room in [
+            r
+            for r, since in self._waiting_since.items()
+            if now - since >= self.config.waiting_timeout
+        ]:
+            del self._waiting_since[room]

@@ -1,0 +1,970 @@
+"""``PrefillCore``: one Prefill rank's protocol state, sans-IO (spec §7.3-7.4, §7.9-7.11).
+
+Decode ranks register with this rank and pre-allocate each request's pages; when the
+prompt's KV is written, the shell's transfer workers push it to every destination
+and the core reports success. The core keeps every table; the shell moves bytes.
+
+How the shell drives it (one Trio task owns the core; nothing here is thread-safe):
+
+* **Control socket** — every message received on the PULL socket:
+  :meth:`PrefillCore.receive_control`. Malformed input never raises; it is logged,
+  rejected or answered as the spec says.
+* **Scheduler**, once per iteration on every rank of the attention-TP group, in the
+  same order: :meth:`~PrefillCore.register_request` for new requests; then, when
+  :meth:`~PrefillCore.has_in_flight`, ``values = core.poll_values(now)``, the MIN
+  all-reduce of ``values`` over the group (skipped for a group of one), and
+  ``events = core.conclude(agreed, now)``. Also :meth:`~PrefillCore.abort` (EPD
+  give-up), :meth:`~PrefillCore.record_usage` and
+  :meth:`~PrefillCore.check_release` before a sleep.
+* **Forward thread** (entered into the loop, never waiting for a transfer):
+  :meth:`~PrefillCore.arm_layerwise` before an extend forward (layerwise on),
+  :meth:`~PrefillCore.hand_over` after the prompt's last chunk (remote decode).
+* **Transfer workers** execute :class:`~tspd.core.commands.StartTransfer` and report
+  :meth:`~PrefillCore.transfer_succeeded` (final chunk only) or
+  :meth:`~PrefillCore.transfer_failed`; before each write they check
+  :meth:`~PrefillCore.room_active`, and a layerwise step wait re-checks
+  :meth:`~PrefillCore.session_alive` every ~100 ms.
+* **Timer** — sleep until :meth:`~PrefillCore.next_deadline` (``None``: nothing
+  scheduled; re-read it after every call into the core), then
+  :meth:`~PrefillCore.handle_timeout`.
+* After **every** call, execute :meth:`~PrefillCore.drain_commands` in order.
+
+Behaviour kept from R-pd (spec §12): unclaimed-room TTL, first failure wins, notify
+then mark ``Success``, every copy planned before the first write, absent rooms poll
+as ``Failed``, pre-allocation check order 1, 3, 5, 2, 4, 6, 7, 8. One addition: when
+the agreed value fails a request whose room this rank has not failed itself (a peer
+rank failed it, or the bootstrap timeout fired), the room is aborted before it is
+forgotten, so the destinations that pre-allocated hear ``Failed`` at once instead of
+waiting for their own timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tspd.core import wire
+from tspd.core.commands import (
+    Bootstrapped,
+    Command,
+    DestinationWrite,
+    Event,
+    Failed,
+    Log,
+    LogLevel,
+    RoomFailed,
+    SendFrames,
+    StartTransfer,
+    Succeeded,
+    TransferInterval,
+)
+from tspd.core.contract import CacheContract
+from tspd.core.copies import coalesce, plan_steps
+from tspd.core.errors import ConfigError, PlanError, ProtocolError, TspdError
+from tspd.core.machines import PREFILL_ROOM_TABLE, PrefillTrigger, RoomState
+from tspd.core.manifest import (
+    BlockManifest,
+    Selection,
+    build_manifest,
+    require_same_prompt_window,
+    select_chunk,
+    validate_manifest,
+)
+from tspd.core.planner import PlannedRegistration, plan_registration, validate_fanout
+from tspd.core.poll import TransferPoll
+from tspd.core.rooms import RoomTable
+from tspd.core.schedule import ProducerSchedule, StepReservation, interval_targets
+
+__all__ = [
+    "BOOTSTRAP_STALL_S",
+    "ExtendRow",
+    "PrefillConfig",
+    "PrefillCore",
+    "epd_abort_reason",
+]
+
+#: A request still bootstrapping this long after registration is listed in the
+#: periodic stall warning, which repeats at most this often.
+BOOTSTRAP_STALL_S = 10.0
+#: At most this many requests are listed in one stall warning.
+_STALL_LISTED = 8
+
+_CONFLICT = "conflicting registration for an active CachePD session"
+_UNREGISTERED = "CachePD request references an unregistered Decode session"
+_KIND = "CachePD request kind disagrees with its registration"
+_DUPLICATE = "duplicate CachePD pre-allocation for Decode session"
+_FANOUT = "pre-allocation exceeds destination fanout"
+_TOKEN_UNAVAILABLE = "Cache-transfer bootstrap token is unavailable"
+_TIMEOUT_WARNING = (
+    "Some requests timed out when bootstrapping: the decode instance never sent their "
+    "cache manifest. Raise TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT if a longer TTFT "
+    "is acceptable."
+)
+
+
+def epd_abort_reason(rid: str) -> str:
+    """The reason an EPD Prefill gives when it drops a request whose embeddings never
+    arrived (spec §7.9.1); pass it to :meth:`PrefillCore.abort`."""
+    return f"EPD: prefill aborted request {rid} (embedding receive timed out)"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """Everything a Prefill rank's core needs, fixed at start.
+
+    ``tp_size``/``tp_rank``: this rank's attention-TP size (per DP group) and rank.
+    ``status_rank``: this rank in Decode's completion-tracking rank space (spec §4.5;
+    ``tp_rank`` without pipeline parallelism). ``arena_base``/``arena_len``: this
+    rank's registered cache arena (``arena_len`` defaults to the contract's arena
+    size). ``failed_session_ttl <= 0`` disables failed-session fast-fail.
+    ``layerwise``/``layerwise_interval``: the producer schedule and the producer
+    steps per transfer interval when KV streams layerwise, else ``None``.
+    """
+
+    tp_size: int
+    tp_rank: int
+    contract: CacheContract
+    arena_base: int
+    status_rank: int | None = None
+    arena_len: int | None = None
+    session_id: str = ""
+    transfer_workers: int = 4
+    bootstrap_timeout: float = 120.0
+    failed_session_ttl: float = 30.0
+    layerwise: ProducerSchedule | None = None
+    layerwise_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        if self.transfer_workers < 1:
+            raise ConfigError(
+                f"a Prefill rank needs at least one transfer worker, got {self.transfer_workers}"
+            )
+        if self.bootstrap_timeout <= 0:
+            raise ConfigError(
+                f"the bootstrap timeout must be positive, got {self.bootstrap_timeout}"
+            )
+        if self.arena_len is not None and self.arena_len < self.contract.arena_bytes:
+            raise ConfigError(
+                f"the registered arena ({self.arena_len} bytes) is smaller than the cache "
+                f"contract's arena ({self.contract.arena_bytes} bytes)"
+            )
+        if self.layerwise is not None and self.layerwise_interval < 1:
+            raise ConfigError(
+                f"layerwise transfer interval must be at least 1 producer step, got "
+                f"{self.layerwise_interval}"
+            )
+
+    @property
+    def reported_rank(self) -> int:
+        """The rank written into status messages."""
+        return self.tp_rank if self.status_rank is None else self.status_rank
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendRow:
+    """One extend row of a forward, for layerwise arming: the request, the tokens this
+    chunk computes (``[extend_prefix_len, extend_prefix_len + input_length)``) and the
+    request's block-table row per group."""
+
+    rid: str
+    extend_prefix_len: int
+    input_length: int
+    tables: Mapping[str, Sequence[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Registered:
+    registration: wire.Registration
+    planned: PlannedRegistration
+
+    @property
+    def route(self) -> tuple[str, int]:
+        return self.registration.endpoint, self.registration.port
+
+
+@dataclass(frozen=True, slots=True)
+class _Destination:
+    session_id: str
+    #: ``None`` for a dummy pre-allocation (this rank only joins the agreement).
+    manifest: BlockManifest | None
+
+
+@dataclass(slots=True)
+class _Sender:
+    rid: str
+    room: int
+    started: float
+    local: RoomState = RoomState.BOOTSTRAPPING
+    concluded: TransferPoll | None = None
+    #: Set when this rank's bootstrap timeout concluded the request.
+    timeout_stage: str | None = None
+
+
+@dataclass(slots=True)
+class _Metadata:
+    bootstrap_token: int
+    spec_candidate_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Usage:
+    cached_tokens: int = 0
+    bootstrap_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class _PerRoom:
+    """Everything kept for rooms besides their status, one dict per concern so each
+    can be asserted empty."""
+
+    destinations: dict[int, list[_Destination]] = field(default_factory=dict)
+    unclaimed: dict[int, float] = field(default_factory=dict)
+    usage: dict[int, _Usage] = field(default_factory=dict)
+    layerwise: set[int] = field(default_factory=set)
+    metadata: dict[int, _Metadata] = field(default_factory=dict)
+    #: Layerwise rooms whose final chunk is written, waiting for their token.
+    written: set[int] = field(default_factory=set)
+    #: Rooms with a final chunk handed to a worker and not yet reported.
+    in_flight: set[int] = field(default_factory=set)
+
+    def clear(self, room: int) -> None:
+        self.destinations.pop(room, None)
+        self.unclaimed.pop(room, None)
+        self.usage.pop(room, None)
+        self.layerwise.discard(room)
+        self.metadata.pop(room, None)
+        self.written.discard(room)
+        self.in_flight.discard(room)
+
+
+class PrefillCore:
+    """One Prefill rank's registrations, rooms, requests and timers. See the module
+    docstring for when the shell calls what."""
+
+    def __init__(self, config: PrefillConfig) -> None:
+        self.config = config
+        self._rooms = RoomTable(PREFILL_ROOM_TABLE)
+        self._per_room = _PerRoom()
+        #: Tracked requests by rid, in registration order.
+        self._senders: dict[str, _Sender] = {}
+        #: Rooms of tracked requests -> how many tracked requests name them.
+        self._tracked: dict[int, int] = {}
+        self._registrations: dict[str, _Registered] = {}
+        #: Sessions whose registration was rejected: their reply route.
+        self._rejected: dict[str, tuple[str, int]] = {}
+        self._failed_sessions: dict[str, float] = {}
+        self._steps = StepReservation()
+        self._commands: list[Command] = []
+        self._stall_logged_at: float | None = None
+        self._timeout_warned = False
+        self._interval_fields: tuple[frozenset[str] | None, ...] = (None,)
+        if config.layerwise is not None:
+            self._interval_fields = tuple(
+                fields
+                for _, fields in interval_targets(0, config.layerwise, config.layerwise_interval)
+            )
+
+    # ------------------------------------------------------------------ outputs
+
+    def drain_commands(self) -> list[Command]:
+        """Every command queued since the last drain, in order."""
+        commands, self._commands = self._commands, []
+        return commands
+
+    def _log(self, level: LogLevel, message: str, room: int | None = None) -> None:
+        self._commands.append(Log(level, message, room))
+
+    def _send(self, route: tuple[str, int], frames: Sequence[bytes], room: int) -> None:
+        self._commands.append(SendFrames(route[0], route[1], tuple(frames), room))
+
+    def _notify_failed(self, route: tuple[str, int], room: int) -> None:
+        usage = self._per_room.usage.get(room)
+        cached = usage.cached_tokens if usage else 0
+        self._send(route, wire.failure_notice(room, self.config.reported_rank, cached), room)
+
+    def _route_of(self, session_id: str) -> tuple[str, int] | None:
+        registered = self._registrations.get(session_id)
+        if registered is not None:
+            return registered.route
+        return self._rejected.get(session_id)
+
+    # ------------------------------------------------------------------ queries
+
+    def room_state(self, room: int) -> RoomState:
+        """The room's state on this rank (``ABSENT`` if it has none)."""
+        return self._rooms.state(room)
+
+    def room_failure(self, room: int) -> str | None:
+        """The room's first recorded failure reason."""
+        return self._rooms.failure(room)
+
+    def room_active(self, room: int) -> bool:
+        """Whether writes for the room may still go out (it is neither absent nor
+        ``Failed``). Workers check it before each write: no page is written after
+        its room ended."""
+        return not self._rooms.ended(room)
+
+    def has_in_flight(self) -> bool:
+        """Whether any request is tracked (the scheduler polls only then)."""
+        return bool(self._senders)
+
+    def tracked_rooms(self) -> list[int]:
+        """The rooms of tracked requests, ascending."""
+        return sorted(self._tracked)
+
+    def check_release(self) -> None:
+        """Refuse a sleep's release of the registered cache while a tracked request's
+        KV may still go out (spec §7.11); unclaimed rooms send nothing and do not
+        block it. Raises :class:`ProtocolError` listing the rooms."""
+        rooms = self.tracked_rooms()
+        if rooms:
+            raise ProtocolError(
+                f"cannot release the cache while KV sends are in flight: rooms {rooms}"
+            )
+
+    def is_registered(self, session_id: str) -> bool:
+        """Whether ``session_id`` has an accepted registration."""
+        return session_id in self._registrations
+
+    def statistics(self) -> dict[str, int]:
+        """Table sizes. Every per-room table is empty once all rooms have ended;
+        ``registrations``, ``rejected`` and ``failed_sessions`` are per Decode session."""
+        per_room = self._per_room
+        return {
+            "rooms": len(self._rooms),
+            "tracked_requests": len(self._senders),
+            "tracked_rooms": len(self._tracked),
+            "unclaimed": len(per_room.unclaimed),
+            "destinations": len(per_room.destinations),
+            "usage": len(per_room.usage),
+            "layerwise_rooms": len(per_room.layerwise),
+            "metadata": len(per_room.metadata),
+            "awaiting_token": len(per_room.written),
+            "transfers_in_flight": len(per_room.in_flight),
+            "registrations": len(self._registrations),
+            "rejected": len(self._rejected),
+            "failed_sessions": len(self._failed_sessions),
+        }
+
+    # ------------------------------------------------------------------ room helpers
+
+    def _touch(self, room: int, now: float) -> None:
+        """The room gained state: start its unclaimed clock unless a request tracks it."""
+        if room not in self._tracked:
+            self._per_room.unclaimed.setdefault(room, now)
+
+    def _forget_room(self, room: int) -> None:
+        self._rooms.forget(room)
+        self._per_room.clear(room)
+
+    def _abort_room(
+        self, room: int, reason: str, now: float, timeout_stage: str | None = None
+    ) -> None:
+        """Fail the room (first reason wins) and tell every non-dummy destination that
+        pre-allocated for it; its destinations are dropped."""
+        if self._rooms.fail(room, reason):
+            kept = self._rooms.failure(room) or reason
+            self._commands.append(RoomFailed(room, kept, timeout_stage))
+            self._log(LogLevel.WARNING, f"room {room} failed: {kept}", room)
+        self._touch(room, now)
+        self._per_room.in_flight.discard(room)
+        self._per_room.written.discard(room)
+        for destination in self._per_room.destinations.pop(room, ()):
+            if destination.manifest is None:
+                continue
+            route = self._route_of(destination.session_id)
+            if route is None:
+                self._log(
+                    LogLevel.ERROR,
+                    f"cannot notify Decode of failed room {room}: session "
+                    f"{destination.session_id} is not registered",
+                    room,
+                )
+            else:
+                self._notify_failed(route, room)
+
+    def _mark_session_failed(self, session_id: str, now: float) -> None:
+        if self.config.failed_session_ttl <= 0:
+            return
+        self._failed_sessions[session_id] = now
+        self._log(
+            LogLevel.WARNING,
+            f"Decode session {session_id} marked failed for "
+            f"{self.config.failed_session_ttl:g}s: new transfers to it fail fast",
+        )
+
+    def session_alive(self, session_id: str, now: float) -> bool:
+        """Whether transfers to ``session_id`` may go ahead: ``False`` within the
+        failed-session TTL after a write to it failed (spec §7.9.2)."""
+        ttl = self.config.failed_session_ttl
+        failed_at = self._failed_sessions.get(session_id)
+        if ttl <= 0 or failed_at is None:
+            return True
+        if now - failed_at < ttl:
+            return False
+        del self._failed_sessions[session_id]
+        return True
+
+    # ------------------------------------------------------------------ control socket
+
+    def receive_control(self, frames: Sequence[bytes], now: float) -> None:
+        """Handle one message from the control socket: a registration or a
+        pre-allocation (spec §4.1, §7.9.4, §7.9.5). Never raises for peer input."""
+        frames = list(frames)
+        try:
+            registration = wire.is_registration(frames)
+        except TspdError as err:
+            self._log(LogLevel.ERROR, str(err))
+            return
+        if registration:
+            self._handle_registration(frames, now)
+        else:
+            self._handle_preallocation(frames, now)
+
+    def _handle_registration(self, frames: list[bytes], now: float) -> None:
+        try:
+            registration = wire.decode_registration(frames)
+            planned = plan_registration(
+                prefill_tp=self.config.tp_size,
+                prefill_rank=self.config.tp_rank,
+                prefill_contract=self.config.contract,
+                decode_tp=registration.decode_tp_size,
+                decode_rank=registration.decode_tp_rank,
+                decode_contract=registration.contract,
+            )
+        except TspdError as err:
+            self._reject_registration(frames, str(err), now)
+            return
+        session_id = registration.session_id
+        new = _Registered(registration, planned)
+        previous = self._registrations.get(session_id)
+        if previous is not None and previous != new:
+            self._reject_registration(frames, _CONFLICT, now)
+            return
+        self._rejected.pop(session_id, None)
+        self._failed_sessions.pop(session_id, None)
+        self._registrations[session_id] = new
+        if previous is None:
+            self._log(
+                LogLevel.INFO,
+                f"Decode session {session_id} (TP rank {registration.decode_tp_rank}/"
+                f"{registration.decode_tp_size}) registered"
+                + (" as a rendezvous-only destination" if planned.is_dummy else ""),
+            )
+
+    def _reject_registration(self, frames: list[bytes], reason: str, now: float) -> None:
+        try:
+            route = wire.decode_registration_route(frames)
+        except TspdError as err:
+            self._log(LogLevel.ERROR, f"Rejecting malformed CachePD Decode registration: {err}")
+            return
+        session_id = route.session_id
+        self._log(
+            LogLevel.ERROR,
+            f"rejecting CachePD Decode registration of session {session_id} "
+            f"({route.endpoint}:{route.port}): {reason}",
+        )
+        affected = [
+            room
+            for room, destinations in self._per_room.destinations.items()
+            if any(d.session_id == session_id for d in destinations)
+        ]
+        for room in affected:
+            self._abort_room(
+                room, f"Decode session {session_id} registration rejected: {reason}", now
+            )
+        self._registrations.pop(session_id, None)
+        self._rejected[session_id] = (route.endpoint, route.port)
+
+    def _handle_preallocation(self, frames: list[bytes], now: float) -> None:
+        try:
+            preallocation = wire.decode_preallocation(frames)
+        except TspdError as err:
+            self._log(LogLevel.ERROR, f"rejecting a malformed CachePD pre-allocation: {err}")
+            return
+        room, session_id = preallocation.room, preallocation.session_id
+        try:
+            self._accept_preallocation(preallocation, now)
+        except TspdError as err:
+            self._log(
+                LogLevel.ERROR,
+                f"rejecting CachePD pre-allocation of room {room} from session {session_id}: {err}",
+                room,
+            )
+            self._abort_room(room, f"invalid pre-allocation metadata: {err}", now)
+            route = self._route_of(session_id)
+            if route is None:
+                self._log(
+                    LogLevel.ERROR,
+                    f"cannot notify a malformed Decode peer: session {session_id} has no "
+                    f"known route (room {room})",
+                    room,
+                )
+            else:
+                self._notify_failed(route, room)
+
+    def _accept_preallocation(self, preallocation: wire.Preallocation, now: float) -> None:
+        room, session_id = preallocation.room, preallocation.session_id
+        registered = self._registrations.get(session_id)
+        if registered is None:
+            raise PlanError(_UNREGISTERED)
+        if self._rooms.state(room) is RoomState.FAILED:
+            # Not an error: the room failed earlier; this destination hears it now.
+            self._notify_failed(registered.route, room)
+            return
+        manifest = preallocation.manifest()
+        if (manifest is None) != registered.planned.is_dummy:
+            raise PlanError(_KIND)
+        if manifest is not None:
+            validate_manifest(manifest, registered.registration.contract, "destination")
+        destinations = list(self._per_room.destinations.get(room, ()))
+        if any(d.session_id == session_id for d in destinations):
+            raise PlanError(_DUPLICATE)
+        destinations.append(_Destination(session_id, manifest))
+        expected = len(registered.planned.expected_decode_ranks)
+        if len(destinations) > expected:
+            raise PlanError(_FANOUT)
+        complete = len(destinations) == expected
+        if complete:
+            validate_fanout([self._fanout_member(d.session_id) for d in destinations])
+        self._per_room.destinations[room] = destinations
+        self._touch(room, now)
+        self._rooms.fire(
+            room, PrefillTrigger.FANOUT_COMPLETE if complete else PrefillTrigger.PREALLOCATE
+        )
+
+    def _fanout_member(self, session_id: str) -> tuple[int, int, frozenset[int]] | None:
+        registered = self._registrations.get(session_id)
+        if registered is None:
+            return None
+        reg = registered.registration
+        return reg.decode_tp_size, reg.decode_tp_rank, registered.planned.expected_decode_ranks
+
+    # ------------------------------------------------------------------ scheduler
+
+    def register_request(self, rid: str, room: int, now: float) -> None:
+        """Track request ``rid`` for ``room`` on this rank (spec §7.3 row 1): the room
+        becomes ``Bootstrapping`` (or keeps later progress) and leaves the unclaimed
+        set. Every rank of the TP group registers the same requests in the same order.
+        """
+        if not 0 <= room <= wire.MAX_ROOM:
+            raise ProtocolError(f"bootstrap_room {room} of request {rid} is outside [0, 2^63-1]")
+        if rid in self._senders:
+            raise ProtocolError(f"request {rid} is already registered (room {room})")
+        self._per_room.usage.pop(room, None)
+        self._rooms.fire(room, PrefillTrigger.REGISTER)
+        self._per_room.unclaimed.pop(room, None)
+        self._tracked[room] = self._tracked.get(room, 0) + 1
+        self._senders[rid] = _Sender(rid, room, now)
+
+    def poll_values(self, now: float) -> list[int]:
+        """This rank's value per tracked request, in registration order, for the MIN
+        all-reduce (spec §7.4 step 1). A request bootstrapping past the bootstrap
+        timeout concludes ``Failed`` here, with its reason."""
+        values: list[int] = []
+        timeout = self.config.bootstrap_timeout
+        for sender in self._senders.values():
+            if sender.concluded is None:
+                status = self._rooms.poll(sender.room)
+                if status in (TransferPoll.SUCCESS, TransferPoll.FAILED):
+                    sender.concluded = status
+                elif status is TransferPoll.BOOTSTRAPPING and now - sender.started >= timeout:
+                    self._bootstrap_timed_out(sender, now)
+                    status = TransferPoll.FAILED
+                values.append(int(status))
+            else:
+                values.append(int(sender.concluded))
+        return values
+
+    def _bootstrap_timed_out(self, sender: _Sender, now: float) -> None:
+        elapsed = now - sender.started
+        reason = (
+            f"Request {sender.room} timed out after {elapsed:.1f}s in "
+            f"{TransferPoll.BOOTSTRAPPING.label}"
+        )
+        if not self._timeout_warned:
+            self._timeout_warned = True
+            self._log(LogLevel.WARNING, _TIMEOUT_WARNING)
+        self._rooms.record_failure(sender.room, reason)
+        self._rooms.fire(sender.room, PrefillTrigger.BOOTSTRAP_TIMEOUT)
+        sender.timeout_stage = "bootstrapping"
+        sender.concluded = TransferPoll.FAILED
+
+    def conclude(self, agreed: Sequence[int], now: float) -> list[Event]:
+        """Apply the group's agreed values (spec §7.4 steps 3-4) and return the
+        scheduler's events; requests that ended are forgotten with their rooms."""
+        senders = list(self._senders.values())
+        if len(agreed) != len(senders):
+            raise ProtocolError(
+                f"the replica agreement returned {len(agreed)} values for "
+                f"{len(senders)} tracked requests: every rank must track the same requests"
+            )
+        self._log_stalls(senders, agreed, now)
+        events: list[Event] = []
+        for sender, value in zip(senders, agreed, strict=True):
+            poll = TransferPoll.from_wire(value)
+            if sender.local is RoomState.BOOTSTRAPPING and poll is TransferPoll.BOOTSTRAPPED:
+                sender.local = RoomState.BOOTSTRAPPED
+                events.append(Bootstrapped(sender.rid))
+            elif poll is TransferPoll.FAILED:
+                events.append(Failed(sender.rid, self._fail_concluded(sender, now)))
+                self._forget_request(sender)
+            elif sender.local is RoomState.BOOTSTRAPPED and poll is TransferPoll.SUCCESS:
+                events.append(Succeeded(sender.rid))
+                self._forget_request(sender)
+        return events
+
+    def _fail_concluded(self, sender: _Sender, now: float) -> str:
+        room = sender.room
+        if self._rooms.state(room) is not RoomState.FAILED:
+            reason = self._rooms.failure(room) or (
+                f"Request {room} failed on another rank of the Prefill TP group"
+            )
+            self._abort_room(room, reason, now, sender.timeout_stage)
+        return self._rooms.failure(room) or f"Request {room} failed"
+
+    def _forget_request(self, sender: _Sender) -> None:
+        del self._senders[sender.rid]
+        room = sender.room
+        left = self._tracked.get(room, 0) - 1
+        if left > 0:
+            self._tracked[room] = left
+            return
+        self._tracked.pop(room, None)
+        self._forget_room(room)
+
+    def _log_stalls(self, senders: list[_Sender], agreed: Sequence[int], now: float) -> None:
+        if self._stall_logged_at is not None and now - self._stall_logged_at < BOOTSTRAP_STALL_S:
+            return
+        stalled = [
+            f"{s.rid}(room={s.room}, age={now - s.started:.0f}s)"
+            for s, value in zip(senders, agreed, strict=True)
+            if value == TransferPoll.BOOTSTRAPPING and now - s.started >= BOOTSTRAP_STALL_S
+        ][:_STALL_LISTED]
+        if stalled:
+            self._stall_logged_at = now
+            self._log(
+                LogLevel.WARNING,
+                "requests still bootstrapping (their Decode ranks have not all "
+                f"pre-allocated): {', '.join(stalled)}",
+            )
+
+    def abort(self, room: int, reason: str, now: float) -> None:
+        """Fail ``room`` with ``reason`` and notify its destinations (spec §7.9.1;
+        ``epd_abort_reason(rid)`` for an EPD give-up). A later pre-allocation is
+        answered ``Failed``; an untracked room is dropped after the unclaimed TTL."""
+        self._abort_room(room, reason, now)
+
+    def record_usage(
+        self, room: int, cached_tokens: int, bootstrap_logprob: float | None = None
+    ) -> None:
+        """Record the room's prefix-cache hit and bootstrap logprob for its status
+        messages; ignored once the room ended."""
+        if self._rooms.ended(room):
+            return
+        usage = self._per_room.usage.setdefault(room, _Usage())
+        usage.cached_tokens = max(0, cached_tokens)
+        if bootstrap_logprob is not None:
+            usage.bootstrap_logprob = bootstrap_logprob
+
+    # ------------------------------------------------------------------ forward
+
+    def hand_over(
+        self,
+        room: int,
+        source_tables: Mapping[str, Sequence[int]],
+        bootstrap_token: int,
+        spec_candidate_ids: Sequence[int] = (),
+        now: float = 0.0,
+    ) -> None:
+        """The prompt's KV is written: send it (spec §7.4 "remote decode hand-over").
+
+        ``source_tables`` is the request's block-table row per group on this rank.
+        Full mode: builds the source manifest over Decode's prompt window, plans
+        every destination's complete, coalesced and bounds-checked copy list and
+        queues one :class:`StartTransfer`. A dummy-only room succeeds at once. A
+        layerwise room only gets its bootstrap token (its chunks already stream).
+        Planning errors fail the room with a reason; a room that already ended is
+        ignored. Raises only for caller errors: a negative token, or a room still
+        waiting for pre-allocations.
+        """
+        if bootstrap_token < 0:
+            raise PlanError(_TOKEN_UNAVAILABLE)
+        metadata = _Metadata(bootstrap_token, tuple(spec_candidate_ids))
+        if self._rooms.ended(room):
+            self._log(
+                LogLevel.WARNING,
+                f"Dropping late prefill metadata for expired bootstrap_room={room}",
+                room,
+            )
+            return
+        state = self._rooms.state(room)
+        if room in self._per_room.layerwise:
+            self._per_room.metadata[room] = metadata
+            if room in self._per_room.written:
+                self._per_room.written.discard(room)
+                self._report_success(room)
+            return
+        destinations = self._per_room.destinations.get(room)
+        if state is not RoomState.BOOTSTRAPPED or not destinations:
+            raise ProtocolError(
+                f"Cache-transfer destination metadata is unavailable for room {room} "
+                f"(room is {state.value}): hand over only after the Bootstrapped event"
+            )
+        if room in self._per_room.in_flight:
+            raise ProtocolError(f"room {room} was already handed over")
+        windows = [d.manifest for d in destinations if d.manifest is not None]
+        if not windows:
+            # Rendezvous only: this rank joins the status agreement and sends nothing.
+            self._rooms.fire(room, PrefillTrigger.TRANSFER_SUCCEEDED)
+            self._per_room.destinations.pop(room, None)
+            return
+        try:
+            require_same_prompt_window(windows)
+            window = windows[0]
+            source = build_manifest(
+                self.config.contract,
+                source_tables,
+                window.prefix_len,
+                window.prompt_len,
+                state_prefix_cached=window.state_prefix_cached,
+            )
+            writes = self._plan_writes(room, destinations, source, (None,), now)
+        except TspdError as err:
+            self._abort_room(room, f"CachePD transfer failed: {err}", now)
+            return
+        if writes is None:
+            return
+        self._per_room.metadata[room] = metadata
+        self._per_room.in_flight.add(room)
+        self._start(room, destinations, ((None, writes[0]),), final=True)
+
+    def _plan_writes(
+        self,
+        room: int,
+        destinations: Sequence[_Destination],
+        source: BlockManifest | Selection,
+        steps: Sequence[frozenset[str] | None],
+        now: float,
+    ) -> list[tuple[DestinationWrite, ...]] | None:
+        """Every non-dummy destination's copies for every step, planned in full before
+        any write; ``None`` (room aborted) when a destination's session failed."""
+        per_destination: list[list[DestinationWrite]] = []
+        for destination in destinations:
+            if destination.manifest is None:
+                continue
+            session_id = destination.session_id
+            if not self.session_alive(session_id, now):
+                self._abort_room(
+                    room,
+                    f"CachePD transfer failed: Decode session {session_id} is not alive",
+                    now,
+                )
+                return None
+            registered = self._registrations.get(session_id)
+            if registered is None:
+                raise PlanError(_UNREGISTERED)
+            reg = registered.registration
+            plans = plan_steps(
+                src_contract=self.config.contract,
+                src_base=self.config.arena_base,
+                dst_contract=reg.contract,
+                dst_base=reg.arena_base,
+                dst_manifest=destination.manifest,
+                source=source,
+                registration=registered.planned,
+                steps=steps,
+            )
+            per_destination.append(
+                [
+                    DestinationWrite(session_id, reg.endpoint, reg.port, coalesce(plan))
+                    for plan in plans
+                ]
+            )
+        return [tuple(writes[step] for writes in per_destination) for step in range(len(steps))]
+
+    def _start(
+        self,
+        room: int,
+        destinations: Sequence[_Destination],
+        intervals: Sequence[tuple[int | None, tuple[DestinationWrite, ...]]],
+        *,
+        final: bool,
+    ) -> None:
+        ports = sum(wire.session_port(d.session_id) or 0 for d in destinations)
+        self._commands.append(
+            StartTransfer(
+                room=room,
+                shard=ports % self.config.transfer_workers,
+                intervals=tuple(TransferInterval(step, writes) for step, writes in intervals),
+                final=final,
+                sessions=tuple(d.session_id for d in destinations if d.manifest is not None),
+            )
+        )
+
+    def arm_layerwise(self, rows: Sequence[ExtendRow], now: float) -> int | None:
+        """Layerwise: arm one chunk per extend row of the coming forward whose request
+        has non-dummy destinations (spec §7.4 "arm layerwise", §12 item 13).
+
+        Every row's selection is built first; any error refuses the whole forward
+        (raised, nothing armed, no step reserved). Then the forward's producer steps
+        are reserved once and each chunk's copies, for every interval and every
+        destination, are planned before its :class:`StartTransfer` is queued.
+        Returns the forward's first producer step, or ``None`` when layerwise is off
+        or there is no row.
+        """
+        schedule = self.config.layerwise
+        if schedule is None or not rows:
+            return None
+        chunks: list[tuple[int, Selection]] = []
+        for row in rows:
+            sender = self._senders.get(row.rid)
+            if sender is None:
+                continue
+            room = sender.room
+            windows = [
+                d.manifest
+                for d in self._per_room.destinations.get(room, ())
+                if d.manifest is not None
+            ]
+            if not windows:
+                continue
+            require_same_prompt_window(windows)
+            selection = select_chunk(
+                self.config.contract,
+                row.tables,
+                windows[0],
+                row.extend_prefix_len,
+                row.extend_prefix_len + row.input_length,
+                first=room not in self._per_room.layerwise,
+            )
+            if selection is not None:
+                chunks.append((room, selection))
+        begin = self._steps.take(len(schedule))
+        targets = interval_targets(begin, schedule, self.config.layerwise_interval)
+        for room, selection in chunks:
+            self._arm_chunk(room, selection, [step for step, _ in targets], now)
+        return begin
+
+    def _arm_chunk(self, room: int, selection: Selection, targets: list[int], now: float) -> None:
+        if self._rooms.ended(room):
+            return
+        destinations = self._per_room.destinations.get(room, [])
+        self._per_room.layerwise.add(room)
+        try:
+            writes = self._plan_writes(room, destinations, selection, self._interval_fields, now)
+        except TspdError as err:
+            self._abort_room(room, f"CachePD transfer failed: {err}", now)
+            return
+        if writes is None:
+            return
+        if selection.is_final:
+            self._per_room.in_flight.add(room)
+        self._start(
+            room, destinations, list(zip(targets, writes, strict=True)), final=selection.is_final
+        )
+
+    # ------------------------------------------------------------------ workers
+
+    def transfer_succeeded(self, room: int, now: float) -> None:
+        """A final chunk's writes all succeeded. Sends ``Success`` to every non-dummy
+        destination first, then marks the room ``Success`` and drops its destinations
+        (spec §12 item 9). A layerwise room whose token has not arrived yet reports
+        when :meth:`hand_over` brings it. Ignored for a room that already ended."""
+        self._per_room.in_flight.discard(room)
+        if self._rooms.ended(room):
+            self._log(LogLevel.DEBUG, f"room {room} ended before its transfer finished", room)
+            return
+        if room not in self._per_room.metadata:
+            self._per_room.written.add(room)
+            return
+        self._report_success(room)
+
+    def _report_success(self, room: int) -> None:
+        metadata = self._per_room.metadata.pop(room)
+        usage = self._per_room.usage.get(room) or _Usage()
+        frames = wire.encode_status(
+            wire.StatusMessage(
+                room=room,
+                status=TransferPoll.SUCCESS,
+                prefill_rank=self.config.reported_rank,
+                bootstrap_token=metadata.bootstrap_token,
+                spec_candidate_ids=metadata.spec_candidate_ids,
+                cached_tokens=usage.cached_tokens,
+                bootstrap_logprob=usage.bootstrap_logprob,
+            )
+        )
+        for destination in self._per_room.destinations.get(room, ()):
+            if destination.manifest is None:
+                continue
+            route = self._route_of(destination.session_id)
+            if route is not None:
+                self._send(route, frames, room)
+        self._rooms.fire(room, PrefillTrigger.TRANSFER_SUCCEEDED)
+        self._per_room.destinations.pop(room, None)
+
+    def transfer_failed(self, room: int, session_id: str | None, error: str, now: float) -> None:
+        """A chunk failed. ``session_id`` set: a write to that session failed (it is
+        marked failed for the TTL and the reason names its route); ``None``: any
+        other worker error (``error`` is then the whole detail). The room is aborted
+        with ``"CachePD transfer failed: …"`` unless it already ended, in which case
+        the first failure's reason stands (spec §12 item 11)."""
+        self._per_room.in_flight.discard(room)
+        if session_id is not None:
+            self._mark_session_failed(session_id, now)
+            route = self._route_of(session_id)
+            where = f"{route[0]}:{route[1]}" if route else session_id
+            error = f"Mooncake transfer failed for {where}: {error}"
+        if self._rooms.ended(room):
+            self._log(
+                LogLevel.DEBUG,
+                f"dropping an ended room's transfer error (room {room}): {error}",
+                room,
+            )
+            return
+        self._abort_room(room, f"CachePD transfer failed: {error}", now)
+
+    # ------------------------------------------------------------------ timers
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`handle_timeout` next has work: the earliest unclaimed-room expiry
+        or failed-session expiry; ``None`` when neither exists. Bootstrap timeouts
+        are seen by :meth:`poll_values`, which the scheduler runs every iteration."""
+        deadlines = [
+            since + self.config.bootstrap_timeout for since in self._per_room.unclaimed.values()
+        ]
+        ttl = self.config.failed_session_ttl
+        if ttl > 0:
+            deadlines.extend(at + ttl for at in self._failed_sessions.values())
+        return min(deadlines, default=None)
+
+    def handle_timeout(self, now: float) -> None:
+        """Drop rooms no request claimed within the TTL (= bootstrap timeout), in
+        ascending room order, telling each non-dummy destination of a room that had
+        not failed (spec §7.10); expire failed-session marks past their TTL."""
+        ttl = self.config.bootstrap_timeout
+        expired = sorted(
+            room for room, since in self._per_room.unclaimed.items() if now - since >= ttl
+        )
+        if expired:
+            self._log(
+                LogLevel.WARNING,
+                f"dropping rooms no request on this rank claimed within {ttl:g}s: {expired}",
+            )
+        for room in expired:
+            if self._rooms.state(room) is not RoomState.FAILED:
+                for destination in self._per_room.destinations.get(room, ()):
+                    if destination.manifest is None:
+                        continue
+                    route = self._route_of(destination.session_id)
+                    if route is not None:
+                        self._notify_failed(route, room)
+            self._forget_room(room)
+        for session_id in [
+            s
+            for s, at in self._failed_sessions.items()
+            if now - at >= self.config.failed_session_ttl
+        ]:
+            del self._failed_sessions[session_id]
