@@ -79,8 +79,6 @@ MAX_DECODE_TP_SIZE: Final = 1024
 MAX_RANK: Final = 2**31 - 1
 _MIN_TOKEN: Final = -(2**63)
 _MAX_TOKEN: Final = 2**63 - 1
-_MIN_INT32: Final = -(2**31)
-_MAX_INT32: Final = 2**31 - 1
 
 _REGISTRATION_FRAMES: Final = 8
 _PREALLOCATION_FRAMES: Final = 3
@@ -102,7 +100,8 @@ _U64: Final = struct.Struct("<Q")
 _F64: Final = struct.Struct("<d")
 # Frames of the status values, so encoding a status allocates nothing for it.
 _POLL_FRAMES: Final[dict[int, bytes]] = {poll: b"%d" % poll for poll in TransferPoll}
-_POLLS: Final[tuple[TransferPoll, ...]] = tuple(TransferPoll)
+# Status by wire value: TransferPoll's values are 0..5 without gaps (§7.1).
+_POLLS: Final[tuple[TransferPoll, ...]] = tuple(sorted(TransferPoll))
 _MAX_POLL: Final = len(_POLLS) - 1
 
 
