@@ -635,7 +635,10 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     latent = draw(st.integers(1, 5))
     partition = Partition(axis, heads, parts if len(parts) > 1 else ())
 
-    def side(shards: int) -> CacheContract:
+    # The state group may be dealt over DCP owners on Prefill (never on Decode).
+    dcp = draw(st.sampled_from(divisors(p_tp)))
+
+    def side(shards: int, dcp: int = 1) -> CacheContract:
         local = list(shape)
         local[axis] = heads // shards
         return layout(
@@ -649,13 +652,14 @@ def scenarios(draw: st.DrawFn) -> Scenario:
             gaps=draw(st.lists(st.integers(0, 9), max_size=3)),
             per_parent=draw(st.integers(1, 2)),
             split_planes=draw(st.booleans()),
+            shard_counts={"state": dcp},
         )
 
-    prefill, decode = side(shards_p), side(shards_d)
+    prefill, decode = side(shards_p, dcp), side(shards_d)
     dst_groups: dict[str, list[int]] = {}
     src_groups: dict[str, list[int]] = {}
     for gid in ("full", "state"):
-        dst_pages, src_pages = decode.page_count(gid), prefill.page_count(gid)
+        dst_pages, src_pages = decode.page_count(gid), prefill.virtual_block_count(gid)
         n = draw(st.integers(0, min(4, dst_pages - 1)))
         dst_groups[gid] = draw(
             st.lists(st.integers(1, dst_pages - 1), min_size=n, max_size=n, unique=True)
@@ -743,7 +747,7 @@ def test_every_destination_byte_is_written_exactly_once(case: Scenario) -> None:
 def test_contiguous_pages_collapse_to_one_copy_per_field(
     n: int, src_first: int, dst_first: int, gaps: list[int]
 ) -> None:
-    groups = {
+    groups: dict[str, list[FieldDef]] = {
         "full": [(K, (2, 4), "bfloat16"), (LATENT, (3,), "uint8")],
         "state": [(CONV, (3, 2), "float32")],
     }
