@@ -16,3 +16,79 @@ async def wait_until(
             if condition():
                 return
             await trio.sleep(step)
+
+
+class DecodeStub:
+    """A hand-driven Decode rank for Prefill peer tests: a registered arena on a fake
+    engine, a status PULL socket, and a PUSH to the Prefill control socket."""
+
+    def __init__(self, contract, engine, *, tp_size: int = 1, tp_rank: int = 0) -> None:  # type: ignore[no-untyped-def]
+        import zmq
+
+        from tspd.shell.arena import HostArena
+        from tspd.shell.zmq import bind_free_port, open_socket
+        from tspd.testing.layouts import PageAllocator
+
+        self.contract = contract
+        self.engine = engine
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.arena = HostArena.for_contract(contract)
+        engine.register_memory(self.arena.base, self.arena.size)
+        ctx = zmq.Context.instance()
+        self.status = open_socket(ctx, zmq.PULL)
+        self.port = bind_free_port(self.status)
+        self.push = open_socket(ctx, zmq.PUSH)
+        self.pages = PageAllocator(contract)
+        self.received: list[object] = []
+
+    def connect(self, control_port: int) -> None:
+        self.push.sock.connect(f"tcp://127.0.0.1:{control_port}")
+
+    def registration_frames(self, **changes: object) -> list[bytes]:
+        import dataclasses
+
+        from tspd.core import wire
+
+        reg = wire.Registration(
+            endpoint="127.0.0.1",
+            port=self.port,
+            session_id=self.engine.session_id,
+            arena_base=self.arena.base,
+            contract=self.contract,
+            contract_bytes=self.contract.to_json(),
+            decode_tp_size=self.tp_size,
+            decode_tp_rank=self.tp_rank,
+        )
+        return wire.encode_registration(dataclasses.replace(reg, **changes))
+
+    async def register(self, **changes: object) -> None:
+        await self.push.send_multipart(self.registration_frames(**changes))
+
+    async def preallocate(self, room: int, prompt_len: int, *, dummy: bool = False):  # type: ignore[no-untyped-def]
+        from tspd.core import wire
+        from tspd.core.manifest import build_manifest
+
+        if dummy:
+            await self.push.send_multipart(
+                wire.encode_preallocation(room, self.engine.session_id, None)
+            )
+            return None
+        tables = self.pages.allocate(prompt_len)
+        manifest = build_manifest(self.contract, tables, 0, prompt_len)
+        await self.push.send_multipart(
+            wire.encode_preallocation(room, self.engine.session_id, manifest)
+        )
+        return manifest
+
+    async def next_status(self, limit: float = 10.0):  # type: ignore[no-untyped-def]
+        from tspd.core import wire
+
+        with trio.fail_after(limit):
+            return wire.decode_status(await self.status.recv_multipart())
+
+    def close(self) -> None:
+        self.status.close()
+        self.push.close()
+        self.engine.unregister_memory(self.arena.base)
+        self.arena.close()

@@ -131,6 +131,9 @@ class _Feedback:
     def wait_should_stop(self, chunk: StartTransfer) -> str | None:
         return self.stop
 
+    def room_active(self, chunk: StartTransfer) -> bool:
+        return True
+
 
 async def test_workers_write_report_and_survive_failures() -> None:
     fabric = FakeFabric()

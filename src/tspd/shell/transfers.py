@@ -56,6 +56,9 @@ class TransferFeedback(Protocol):
     def wait_should_stop(self, chunk: StartTransfer) -> str | None:
         """Checked every ~100 ms during a step wait: a reason to stop, else ``None``."""
 
+    def room_active(self, chunk: StartTransfer) -> bool:
+        """Checked before every write: ``False`` once the chunk's room ended."""
+
 
 @dataclass(slots=True)
 class WorkerStats:
@@ -145,6 +148,12 @@ class TransferWorkers:
                     self._feedback.chunk_failed(chunk, None, stop)
                     return
             for write in interval.writes:
+                if not self._feedback.room_active(chunk):
+                    # The room ended meanwhile: no page is written after its end.
+                    self._feedback.chunk_failed(
+                        chunk, None, f"room {chunk.room} ended before its transfer finished"
+                    )
+                    return
                 for batch in batches(write.plan, self._max_descriptors):
                     try:
                         await self._engine.batch_write(

@@ -1,0 +1,334 @@
+"""The Decode rank's peer on Trio: status socket, bootstrap lookups, heartbeats, polls.
+
+:func:`open_decode_peer` runs one Decode rank's PD transfer peer for the
+duration of an ``async with`` block. The sans-IO
+:class:`tspd.core.decode.DecodeCore` makes every protocol decision; the peer's
+nursery owns:
+
+* the **status task** — the only owner of the PULL status socket (bound on the
+  configured host before the core exists, so its port goes into every
+  registration); it drains status messages in batches into
+  ``core.receive_status``;
+* the **push pool** — one PUSH socket per Prefill rank for registrations and
+  pre-allocations (spec §3);
+* **bootstrap lookups** — one short task per ``FetchParallelInfo`` /
+  ``FetchRankInfo`` command over HTTP (:class:`~tspd.shell.bootstrap.BootstrapClient`),
+  answered with ``core.parallel_info`` / ``core.rank_info`` (an error becomes the
+  error text: the waiting rooms fail with the spec's reason, spec §7.5);
+* the **heartbeat task** — every interval, ``GET /health`` on each Prefill
+  bootstrap address the core names, concurrently, reported to ``core.heartbeat``
+  (spec §7.9.3);
+* the **timer task** — the waiting timeout.
+
+Nothing a peer sends and no route that cannot be planned raises into the caller:
+the room fails with a reason, and the scheduler sees a ``Failed`` event. The
+arena is registered with the engine so Prefill ranks can write into it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import final
+
+import trio
+import zmq
+
+from tspd.core.commands import (
+    Command,
+    Event,
+    FetchParallelInfo,
+    FetchRankInfo,
+    Log,
+    RoomFailed,
+    SendFrames,
+)
+from tspd.core.decode import DecodeConfig, DecodeCore
+from tspd.core.errors import TspdError
+from tspd.core.machines import RoomState
+from tspd.core.manifest import BlockManifest
+from tspd.engines.base import AsyncTransferEngine, TransferEngine, TransferError
+from tspd.shell.agreement import ReplicaAgreement, SingleRank
+from tspd.shell.arena import HostArena
+from tspd.shell.bootstrap import BootstrapClient
+from tspd.shell.nursery import single_error
+from tspd.shell.prefill import LOG_LEVELS
+from tspd.shell.pushes import PushPool
+from tspd.shell.timer import DeadlineTimer
+from tspd.shell.zmq import TrioSocket, bind_free_port, open_socket
+
+__all__ = ["DecodePeer", "DecodeSettings", "open_decode_peer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSettings:
+    """What a Decode rank's peer needs besides its core's configuration.
+
+    ``host``: where the status socket binds and what registrations advertise.
+    ``heartbeat_interval``: seconds between heartbeat rounds
+    (``TOKENSPEED_DISAGGREGATION_HEARTBEAT_INTERVAL``, 5.0 by default).
+    ``status_batch`` caps how many status messages one drain takes.
+    """
+
+    host: str = "127.0.0.1"
+    heartbeat_interval: float = 5.0
+    status_batch: int = 256
+
+
+@final
+class DecodePeer:
+    """One Decode rank's running peer; get one from :func:`open_decode_peer`.
+
+    Every method runs in the peer's Trio thread.
+    """
+
+    def __init__(
+        self,
+        core: DecodeCore,
+        *,
+        engine: AsyncTransferEngine | TransferEngine,
+        arena: HostArena,
+        agreement: ReplicaAgreement,
+        pushes: PushPool,
+        client: BootstrapClient,
+        status_port: int,
+    ) -> None:
+        self.core = core
+        self.engine = engine
+        self.arena = arena
+        self.agreement = agreement
+        self.status_port = status_port
+        self.failures: list[RoomFailed] = []
+        self._pushes = pushes
+        self._client = client
+        self._timer = DeadlineTimer(core.next_deadline, self._on_timeout)
+        self._nursery: trio.Nursery | None = None
+        self.heartbeats = 0
+
+    @property
+    def session_id(self) -> str:
+        """This rank's transfer-engine session id."""
+        return self.core.config.session_id
+
+    # -- command execution -------------------------------------------------------
+
+    def _pump(self) -> None:
+        for command in self.core.drain_commands():
+            self._execute(command)
+        self._timer.poke()
+
+    def _execute(self, command: Command) -> None:
+        if isinstance(command, SendFrames):
+            self._pushes.send_nowait(command.endpoint, command.port, command.frames, command.room)
+        elif isinstance(command, FetchParallelInfo):
+            self._spawn(self._fetch_parallel_info, command)
+        elif isinstance(command, FetchRankInfo):
+            self._spawn(self._fetch_rank_info, command)
+        elif isinstance(command, RoomFailed):
+            self.failures.append(command)
+            log.info("Decode room %s failed: %s", command.room, command.reason)
+        elif isinstance(command, Log):
+            log.log(LOG_LEVELS[command.level], "%s", command.message)
+        else:
+            log.error("the Decode core asked for a Prefill-only command: %r", command)
+
+    def _spawn(self, fn: object, command: FetchParallelInfo | FetchRankInfo) -> None:
+        if self._nursery is None:
+            log.error("Decode peer is not running; dropped %r", command)
+            return
+        self._nursery.start_soon(fn, command)  # type: ignore[arg-type]
+
+    async def _fetch_parallel_info(self, command: FetchParallelInfo) -> None:
+        addr = command.bootstrap_addr
+        try:
+            info = await self._client.get_parallel_info(addr)
+        except TspdError as err:
+            self.core.parallel_info(addr, str(err), trio.current_time())
+        else:
+            self.core.parallel_info(addr, info, trio.current_time())
+        self._pump()
+
+    async def _fetch_rank_info(self, command: FetchRankInfo) -> None:
+        addr, rank, dp = command.bootstrap_addr, command.engine_rank, command.dp_group
+        try:
+            info = await self._client.get_rank_info(addr, rank, dp)
+        except TspdError as err:
+            self.core.rank_info(addr, dp, rank, str(err), trio.current_time())
+        else:
+            self.core.rank_info(addr, dp, rank, info, trio.current_time())
+        self._pump()
+
+    def _on_timeout(self, now: float) -> None:
+        self.core.handle_timeout(now)
+        self._pump()
+
+    # -- scheduler-side API -------------------------------------------------------
+
+    def register_request(self, rid: str, room: int, bootstrap_addr: str) -> None:
+        """Track request ``rid`` for ``room`` at the Prefill instance whose bootstrap
+        server is ``bootstrap_addr`` (``host:port``); routing starts at once."""
+        self.core.register_request(rid, room, bootstrap_addr, trio.current_time())
+        self._pump()
+
+    def send_preallocation(
+        self,
+        room: int,
+        manifest: BlockManifest | Mapping[str, Sequence[int]],
+        *,
+        prefix_len: int = 0,
+        prompt_len: int | None = None,
+    ) -> None:
+        """Pre-allocate ``room`` with its Prefill ranks once its pages are allocated
+        and zeroed: a manifest, or block tables with the window (``prompt_len``). An
+        invalid manifest fails the room with the reason."""
+        try:
+            self.core.send_preallocation(
+                room, manifest, trio.current_time(), prefix_len=prefix_len, prompt_len=prompt_len
+            )
+        finally:
+            self._pump()
+
+    async def poll(self) -> list[Event]:
+        """One poll (spec §7.6): local values, the replica agreement's MIN, then the
+        events in registration order — ``Bootstrapped``,
+        :class:`~tspd.core.commands.RemotePrefillDone` or ``Failed``."""
+        values = self.core.poll_values(trio.current_time())
+        agreed = await self.agreement.agree(values)
+        events = self.core.conclude(agreed, trio.current_time())
+        self._pump()
+        return events
+
+    def has_in_flight(self) -> bool:
+        """Whether any request is tracked."""
+        return self.core.has_in_flight()
+
+    def room_state(self, room: int) -> RoomState:
+        """``room``'s state on this rank (``ABSENT`` when it has no entry)."""
+        return self.core.room_state(room)
+
+    def statistics(self) -> dict[str, int]:
+        """The core's table sizes plus message counters."""
+        stats = dict(self.core.statistics())
+        stats["messages_sent"] = self._pushes.stats.sent
+        stats["messages_dropped"] = self._pushes.stats.dropped
+        stats["heartbeats"] = self.heartbeats
+        return stats
+
+    # -- tasks -------------------------------------------------------------------
+
+    async def _status(
+        self,
+        sock: TrioSocket,
+        batch: int,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        task_status.started()
+        while True:
+            messages = await sock.recv_batch(batch)
+            now = trio.current_time()
+            for frames in messages:
+                self.core.receive_status(frames, now)
+            self._pump()
+
+    async def _heartbeat(
+        self, interval: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        while True:
+            await trio.sleep(interval)
+            addrs = self.core.bootstrap_addrs()
+            if not addrs:
+                continue
+            results: dict[str, bool] = {}
+            async with trio.open_nursery() as nursery:
+                for addr in addrs:
+                    nursery.start_soon(self._beat, addr, results)
+            now = trio.current_time()
+            for addr in addrs:
+                self.core.heartbeat(addr, results.get(addr, False), now)
+            self.heartbeats += 1
+            self._pump()
+
+    async def _beat(self, addr: str, results: dict[str, bool]) -> None:
+        results[addr] = await self._client.health(addr)
+
+
+def _bind_status(host: str, context: zmq.Context[zmq.Socket[bytes]]) -> tuple[TrioSocket, int]:
+    sock = open_socket(context, zmq.PULL)
+    try:
+        port = bind_free_port(sock, host)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, port
+
+
+@asynccontextmanager
+async def open_decode_peer(
+    config: DecodeConfig,
+    engine: AsyncTransferEngine | TransferEngine,
+    arena: HostArena,
+    *,
+    settings: DecodeSettings | None = None,
+    agreement: ReplicaAgreement | None = None,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
+) -> AsyncIterator[DecodePeer]:
+    """Run one Decode rank's peer for the duration of the block (see the module doc).
+
+    ``config`` is the core's configuration; its ``arena_base``, ``session_id``,
+    ``endpoint`` and ``port`` are taken from ``arena``, ``engine`` and the status
+    socket this function binds on ``settings.host``. Decode never writes, so a
+    synchronous engine is fine here: only its registration calls are used.
+    """
+    settings = settings or DecodeSettings()
+    ctx = context or zmq.Context.instance()
+    status, port = _bind_status(settings.host, ctx)
+    try:
+        core = DecodeCore(
+            dataclasses.replace(
+                config,
+                arena_base=arena.base,
+                session_id=engine.session_id,
+                endpoint=settings.host,
+                port=port,
+            )
+        )
+        engine.register_memory(arena.base, arena.size)
+    except BaseException:
+        status.close()
+        raise
+    pushes = PushPool(ctx, name=f"Decode rank {config.tp_rank}")
+    try:
+        with single_error():
+            async with BootstrapClient() as client, trio.open_nursery() as nursery:
+                peer = DecodePeer(
+                    core,
+                    engine=engine,
+                    arena=arena,
+                    agreement=agreement or SingleRank(),
+                    pushes=pushes,
+                    client=client,
+                    status_port=port,
+                )
+                peer._nursery = nursery
+                await nursery.start(pushes.run)
+                await nursery.start(peer._timer.run)
+                await nursery.start(peer._status, status, settings.status_batch)
+                await nursery.start(peer._heartbeat, settings.heartbeat_interval)
+                try:
+                    yield peer
+                finally:
+                    peer._nursery = None
+                    nursery.cancel_scope.cancel()
+    finally:
+        status.close()
+        try:
+            engine.unregister_memory(arena.base)
+        except TransferError as err:
+            log.warning("could not deregister the Decode arena on shutdown: %s", err)

@@ -1,0 +1,501 @@
+"""The Prefill rank's peer on Trio: sockets, workers, timers and the scheduler's API.
+
+:func:`open_prefill_peer` runs one Prefill rank's PD transfer peer for the
+duration of an ``async with`` block. The protocol decisions are the sans-IO
+:class:`tspd.core.prefill.PrefillCore`'s; this module moves data between it and
+the world. The peer's nursery owns:
+
+* the **control task** — the only owner of the PULL control socket (bound on the
+  configured host); it drains registrations and pre-allocations in batches into
+  ``core.receive_control`` (spec §7.9.4–7.9.5);
+* the **push pool** — one PUSH socket per Decode endpoint, one owner task, for
+  status messages and failure notices (spec §3);
+* the **transfer workers** — sharded as the core says, so one room's chunks stay
+  ordered; engine calls go through an :class:`AsyncTransferEngine`;
+* the **timer task** — sleeps until ``core.next_deadline()`` and hands the core
+  ``now`` (bootstrap timeouts, the unclaimed-room sweep, session TTLs);
+* the **bootstrap registration** — one ``PUT /route`` to the instance's bootstrap
+  server (failure is logged, not fatal, as in TokenSpeed).
+
+Every core call is followed by :meth:`PrefillPeer._pump`, which executes the
+commands it queued, in order. The scheduler-side API (``register_request``,
+``poll``, ``abort``, ``record_usage``, ``has_in_flight``) runs in the Trio
+thread; the forward-side API (:class:`PrefillOutbox`) is callable from any
+thread and never waits for a transfer. Leaving the block cancels every task,
+closes every socket and deregisters the arena; no thread or socket outlives it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Final, final
+
+import trio
+import zmq
+
+from tspd.core.bootstrap import build_route_payload
+from tspd.core.commands import (
+    Command,
+    Event,
+    Failed,
+    Log,
+    LogLevel,
+    RoomFailed,
+    SendFrames,
+    StartTransfer,
+    Succeeded,
+)
+from tspd.core.errors import ProtocolError, TspdError
+from tspd.core.machines import RoomState
+from tspd.core.prefill import ExtendRow, PrefillConfig, PrefillCore
+from tspd.engines.base import AsyncTransferEngine, TransferError
+from tspd.shell.agreement import ReplicaAgreement, SingleRank
+from tspd.shell.arena import HostArena
+from tspd.shell.bootstrap import BootstrapClient
+from tspd.shell.nursery import single_error
+from tspd.shell.pushes import PushPool
+from tspd.shell.steps import StepCounter
+from tspd.shell.threadsafe import LoopPortal
+from tspd.shell.timer import DeadlineTimer
+from tspd.shell.transfers import TransferWorkers
+from tspd.shell.zmq import TrioSocket, bind_free_port, open_socket
+
+__all__ = [
+    "ExtendRow",
+    "PrefillOutbox",
+    "PrefillPeer",
+    "PrefillSettings",
+    "ReleaseRefused",
+    "RemoteDecodeRow",
+    "open_prefill_peer",
+]
+
+log = logging.getLogger(__name__)
+
+LOG_LEVELS: Final = {
+    LogLevel.DEBUG: logging.DEBUG,
+    LogLevel.INFO: logging.INFO,
+    LogLevel.WARNING: logging.WARNING,
+    LogLevel.ERROR: logging.ERROR,
+}
+
+
+class ReleaseRefused(TspdError):
+    """Sleep may not release the registered cache while a tracked request may still
+    send (spec §7.11); the message lists the rooms."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSettings:
+    """What a Prefill rank's peer needs besides its core's configuration.
+
+    ``host`` is where the control socket binds and what the rank advertises as its
+    ``rank_ip``; ``bootstrap_addr`` is its instance's bootstrap server
+    (``host:port``; ``None`` skips the registration, for tests that wire peers by
+    hand). ``world_size``, ``dp_size`` and ``engine_rank`` go into the ``PUT
+    /route`` body, with ``extra_payload`` merged over it. ``control_batch`` caps
+    how many control messages one drain takes before other tasks run.
+    """
+
+    host: str = "127.0.0.1"
+    bootstrap_addr: str | None = None
+    world_size: int = 1
+    dp_size: int = 1
+    engine_rank: int = 0
+    extra_payload: Mapping[str, Any] = field(default_factory=dict)
+    control_batch: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteDecodeRow:
+    """One request of a remote-decode hand-over: this rank's block tables for it (per
+    group, block ids indexed by logical slot), its first generated token and its
+    speculative candidates."""
+
+    rid: str
+    tables: Mapping[str, Sequence[int]]
+    bootstrap_token: int
+    spec_candidate_ids: tuple[int, ...] = ()
+
+
+@final
+class PrefillPeer:
+    """One Prefill rank's running peer; get one from :func:`open_prefill_peer`.
+
+    Methods run in the peer's Trio thread unless stated otherwise; use
+    :attr:`outbox` from an engine's own threads.
+    """
+
+    def __init__(
+        self,
+        core: PrefillCore,
+        *,
+        engine: AsyncTransferEngine,
+        arena: HostArena,
+        agreement: ReplicaAgreement,
+        pushes: PushPool,
+        step_counter: StepCounter | None,
+        control_port: int,
+        host: str,
+    ) -> None:
+        self.core = core
+        self.engine = engine
+        self.arena = arena
+        self.agreement = agreement
+        self.control_port = control_port
+        self.host = host
+        self.step_counter = step_counter
+        self.failures: list[RoomFailed] = []
+        self.registered_with_bootstrap = False
+        self._pushes = pushes
+        self._timer = DeadlineTimer(core.next_deadline, self._on_timeout)
+        self._workers = TransferWorkers(
+            engine,
+            self,
+            count=core.config.transfer_workers,
+            read_step=step_counter.read if step_counter is not None else None,
+        )
+        self._rooms_by_rid: dict[str, int] = {}
+        self._memory_registered = False
+        self._portal: LoopPortal | None = None
+        self._outbox: PrefillOutbox | None = None
+
+    @property
+    def session_id(self) -> str:
+        """This rank's transfer-engine session id."""
+        return self.engine.session_id
+
+    # -- command execution -------------------------------------------------------
+
+    def _pump(self) -> None:
+        """Execute, in order, every command the core queued."""
+        for command in self.core.drain_commands():
+            self._execute(command)
+        self._timer.poke()
+
+    def _execute(self, command: Command) -> None:
+        if isinstance(command, SendFrames):
+            self._pushes.send_nowait(command.endpoint, command.port, command.frames, command.room)
+        elif isinstance(command, StartTransfer):
+            self._workers.submit(command)
+        elif isinstance(command, RoomFailed):
+            self.failures.append(command)
+            log.info("Prefill room %s failed: %s", command.room, command.reason)
+        elif isinstance(command, Log):
+            log.log(LOG_LEVELS[command.level], "%s", command.message)
+        else:
+            log.error("the Prefill core asked for a Decode-only command: %r", command)
+
+    def _on_timeout(self, now: float) -> None:
+        self.core.handle_timeout(now)
+        self._pump()
+
+    # -- transfer feedback (tspd.shell.transfers.TransferFeedback) ----------------
+
+    def chunk_succeeded(self, chunk: StartTransfer) -> None:
+        """A worker wrote every interval of ``chunk`` (only a final chunk reports)."""
+        if chunk.final:
+            self.core.transfer_succeeded(chunk.room, trio.current_time())
+            self._pump()
+
+    def chunk_failed(self, chunk: StartTransfer, session_id: str | None, reason: str) -> None:
+        """A worker stopped ``chunk``; the core fails the room (first failure wins)."""
+        self.core.transfer_failed(chunk.room, session_id, reason, trio.current_time())
+        self._pump()
+
+    def wait_should_stop(self, chunk: StartTransfer) -> str | None:
+        """A layerwise wait re-checks its room and destinations every ~100 ms."""
+        if not self.core.room_active(chunk.room):
+            return f"Cache-transfer layerwise wait aborted for room {chunk.room}"
+        now = trio.current_time()
+        if any(not self.core.session_alive(sid, now) for sid in chunk.sessions):
+            return f"Cache-transfer layerwise peer failed for room {chunk.room}"
+        return None
+
+    def room_active(self, chunk: StartTransfer) -> bool:
+        """Whether ``chunk``'s room may still be written."""
+        return self.core.room_active(chunk.room)
+
+    # -- scheduler-side API -------------------------------------------------------
+
+    def register_request(self, rid: str, room: int) -> None:
+        """Track request ``rid`` on ``room``; every rank of the TP group registers the
+        same requests in the same order."""
+        self.core.register_request(rid, room, trio.current_time())
+        self._rooms_by_rid[rid] = room
+        self._pump()
+
+    async def poll(self) -> list[Event]:
+        """One poll (spec §7.4): local values, the replica agreement's MIN, then the
+        events in registration order — :class:`~tspd.core.commands.Bootstrapped`,
+        :class:`~tspd.core.commands.Succeeded`, :class:`~tspd.core.commands.Failed`.
+        Every rank of the group polls once per scheduler iteration."""
+        values = self.core.poll_values(trio.current_time())
+        agreed = await self.agreement.agree(values)
+        events = self.core.conclude(agreed, trio.current_time())
+        for event in events:
+            if isinstance(event, Succeeded | Failed):
+                self._rooms_by_rid.pop(event.rid, None)
+        self._pump()
+        return events
+
+    def abort(self, room: int, reason: str) -> None:
+        """Fail ``room`` with ``reason``, notifying every destination (spec §7.9.1)."""
+        self.core.abort(room, reason, trio.current_time())
+        self._pump()
+
+    def record_usage(self, room: int, cached_tokens: int, logprob: float | None = None) -> None:
+        """Record the request's prefix-cache hit and bootstrap-token logprob for its
+        status messages (ignored once the room ended)."""
+        self.core.record_usage(room, cached_tokens, logprob)
+
+    def has_in_flight(self) -> bool:
+        """Whether any tracked request may still send KV."""
+        return self.core.has_in_flight()
+
+    def room_state(self, room: int) -> RoomState:
+        """``room``'s state on this rank (``ABSENT`` when it has no entry)."""
+        return self.core.room_state(room)
+
+    def statistics(self) -> dict[str, int]:
+        """The core's table sizes, plus worker and message counters."""
+        stats = dict(self.core.statistics())
+        stats["chunks_in_flight"] = self._workers.in_flight()
+        stats["messages_sent"] = self._pushes.stats.sent
+        stats["messages_dropped"] = self._pushes.stats.dropped
+        stats["bytes_written"] = self._workers.stats.bytes_written
+        stats["engine_calls"] = self._workers.stats.engine_calls
+        return stats
+
+    # -- forward-side API (Trio thread; PrefillOutbox posts here from other threads)
+
+    def hand_over(self, rows: Sequence[RemoteDecodeRow]) -> None:
+        """The prompts' KV is written: queue each request's transfer (for a room that
+        streams layerwise, hand its final chunk the bootstrap token). Rows of
+        requests this rank does not track are skipped. Raises what the core raises
+        for a caller error (a negative token, a room still waiting for its
+        pre-allocations); the other rows are still handed over."""
+        errors: list[TspdError] = []
+        now = trio.current_time()
+        try:
+            for row in rows:
+                room = self._rooms_by_rid.get(row.rid)
+                if room is None:
+                    continue
+                try:
+                    self.core.hand_over(
+                        room, row.tables, row.bootstrap_token, row.spec_candidate_ids, now
+                    )
+                except TspdError as err:
+                    errors.append(err)
+        finally:
+            self._pump()
+        if errors:
+            raise errors[0]
+
+    def arm_layerwise(self, rows: Sequence[ExtendRow]) -> int | None:
+        """Arm one layerwise chunk per extend row ahead of the forward that writes
+        them; returns the forward's first producer step (``None`` when nothing was
+        armed). Any row's error refuses the whole forward (raised)."""
+        try:
+            return self.core.arm_layerwise(rows, trio.current_time())
+        finally:
+            self._pump()
+
+    @property
+    def outbox(self) -> PrefillOutbox:
+        """The forward-side API for an engine's own threads."""
+        if self._outbox is None:
+            raise TspdError("the Prefill peer is not running; use it inside open_prefill_peer")
+        return self._outbox
+
+    # -- sleep / wake --------------------------------------------------------------
+
+    def release_registration(self) -> None:
+        """Deregister the arena from the transfer engine for a sleep (spec §7.11).
+        Refused while a tracked request may still send; unclaimed rooms do not
+        hold it."""
+        try:
+            self.core.check_release()
+        except ProtocolError as err:
+            raise ReleaseRefused(str(err)) from None
+        if self._memory_registered:
+            self.engine.unregister_memory(self.arena.base)
+            self._memory_registered = False
+
+    def restore_registration(self) -> None:
+        """Register the arena again after a wake, at the same address and on the same
+        session (no peer needs telling)."""
+        if not self._memory_registered:
+            self.engine.register_memory(self.arena.base, self.arena.size)
+            self._memory_registered = True
+
+    # -- tasks -------------------------------------------------------------------
+
+    async def _control(
+        self,
+        sock: TrioSocket,
+        batch: int,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        task_status.started()
+        while True:
+            messages = await sock.recv_batch(batch)
+            now = trio.current_time()
+            for frames in messages:
+                self.core.receive_control(frames, now)
+            self._pump()
+
+    async def _register_with_bootstrap(
+        self, client: BootstrapClient, settings: PrefillSettings
+    ) -> None:
+        assert settings.bootstrap_addr is not None
+        payload = build_route_payload(
+            rank_ip=self.host,
+            rank_port=self.control_port,
+            engine_rank=settings.engine_rank,
+            world_size=settings.world_size,
+            dp_size=settings.dp_size,
+            cache_layout=self.core.config.contract.to_json(),
+        )
+        payload.update(settings.extra_payload)
+        payload["rank_port"] = self.control_port
+        try:
+            await client.put_route(settings.bootstrap_addr, payload)
+        except TspdError as err:
+            log.error(
+                "the Prefill rank failed to register with the bootstrap server at %s: %s; "
+                "Decode ranks cannot reach rank %s until it is restarted",
+                settings.bootstrap_addr,
+                err,
+                settings.engine_rank,
+            )
+            return
+        self.registered_with_bootstrap = True
+
+
+@final
+class PrefillOutbox:
+    """The forward-side API for an engine's own threads; never waits for a transfer.
+
+    Each call is posted into the peer's Trio loop and returns a
+    ``concurrent.futures.Future`` at once: ignore it, or call ``result()`` for the
+    error the call raised. Calls run in the order they were made. A remote decode
+    is staged when its plan goes to the data plane and handed over once the
+    drafter's pending round finished (spec §12 item 18), so the KV it sends
+    includes what that round wrote.
+    """
+
+    def __init__(self, peer: PrefillPeer, portal: LoopPortal) -> None:
+        self._peer = peer
+        self._portal = portal
+        self._staged: list[RemoteDecodeRow] | None = None
+
+    def stage_remote_decode(self, rows: Sequence[RemoteDecodeRow]) -> None:
+        """Stage a plan's remote decode (the prompts whose KV goes out next)."""
+        self._staged = list(rows)
+
+    def remote_decode_pending(self) -> bool:
+        """Whether a staged remote decode still waits to be handed over."""
+        return self._staged is not None
+
+    def hand_over_remote_decode(self) -> concurrent.futures.Future[None]:
+        """The staged rows' device prerequisites are met: send their KV."""
+        rows, self._staged = self._staged or [], None
+        return self._portal.post(lambda: self._peer.hand_over(rows))
+
+    def hand_over(self, rows: Sequence[RemoteDecodeRow]) -> concurrent.futures.Future[None]:
+        """Stage and hand over in one step."""
+        rows = list(rows)
+        return self._portal.post(lambda: self._peer.hand_over(rows))
+
+    def arm_layerwise(self, rows: Sequence[ExtendRow]) -> concurrent.futures.Future[int | None]:
+        """Arm layerwise chunks for the coming forward's extend rows."""
+        rows = list(rows)
+        return self._portal.post(lambda: self._peer.arm_layerwise(rows))
+
+
+def _bind_control(host: str, context: zmq.Context[zmq.Socket[bytes]]) -> tuple[TrioSocket, int]:
+    sock = open_socket(context, zmq.PULL)
+    try:
+        port = bind_free_port(sock, host)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, port
+
+
+@asynccontextmanager
+async def open_prefill_peer(
+    config: PrefillConfig,
+    engine: AsyncTransferEngine,
+    arena: HostArena,
+    *,
+    settings: PrefillSettings | None = None,
+    agreement: ReplicaAgreement | None = None,
+    step_counter: StepCounter | None = None,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
+) -> AsyncIterator[PrefillPeer]:
+    """Run one Prefill rank's peer for the duration of the block (see the module doc).
+
+    ``config`` is the core's configuration; its ``arena_base``, ``arena_len`` and
+    ``session_id`` are taken from ``arena`` and ``engine``. ``agreement`` is the
+    TP group's replica agreement (:class:`SingleRank` by default).
+    ``step_counter`` is the producer step counter layerwise chunks wait on (needed
+    when ``config.layerwise`` is set). The arena is registered with ``engine`` on
+    entry and deregistered on exit.
+    """
+    settings = settings or PrefillSettings()
+    if config.layerwise is not None and step_counter is None:
+        raise TspdError("a layerwise Prefill peer needs the producer step counter it waits on")
+    ctx = context or zmq.Context.instance()
+    core = PrefillCore(
+        dataclasses.replace(
+            config, arena_base=arena.base, arena_len=arena.size, session_id=engine.session_id
+        )
+    )
+    control, port = _bind_control(settings.host, ctx)
+    pushes = PushPool(ctx, name=f"Prefill rank {config.tp_rank}")
+    peer = PrefillPeer(
+        core,
+        engine=engine,
+        arena=arena,
+        agreement=agreement or SingleRank(),
+        pushes=pushes,
+        step_counter=step_counter,
+        control_port=port,
+        host=settings.host,
+    )
+    try:
+        engine.register_memory(arena.base, arena.size)
+        peer._memory_registered = True
+        with single_error():
+            async with BootstrapClient() as client, trio.open_nursery() as nursery:
+                await nursery.start(pushes.run)
+                await nursery.start(peer._timer.run)
+                await nursery.start(peer._workers.run)
+                await nursery.start(peer._control, control, settings.control_batch)
+                portal = LoopPortal(trio.lowlevel.current_trio_token(), name="the Prefill peer")
+                peer._portal = portal
+                peer._outbox = PrefillOutbox(peer, portal)
+                if settings.bootstrap_addr is not None:
+                    await peer._register_with_bootstrap(client, settings)
+                try:
+                    yield peer
+                finally:
+                    portal.close()
+                    nursery.cancel_scope.cancel()
+    finally:
+        control.close()
+        if peer._memory_registered:
+            try:
+                engine.unregister_memory(arena.base)
+            except TransferError as err:
+                log.warning("could not deregister the Prefill arena on shutdown: %s", err)
+            peer._memory_registered = False
