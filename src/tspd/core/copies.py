@@ -71,7 +71,8 @@ class CopyPlan:
     """An ordered list of copies as three equal-length int64 arrays.
 
     ``src[i]`` and ``dst[i]`` are absolute addresses, ``length[i]`` the byte count
-    of copy ``i``; the arrays are read-only. Iterating yields ``(src, dst, length)``
+    of copy ``i``. A plan is a value: the constructor marks the arrays it is given
+    read-only (copy them first to keep a writable array). Iterating yields ``(src, dst, length)``
     tuples of Python ints (for tests and logs; the shell hands the arrays, or their
     ``tolist()``, to the engine).
     """
