@@ -90,6 +90,11 @@ class TrioSocket:
                     # consumed the edge of the very event we want.
                     if not self._ready_for(event):
                         await trio.lowlevel.wait_readable(self._fd)
+                    else:
+                        # Ready already: still yield, so a caller whose retry keeps
+                        # failing (a ROUTER at one peer's high-water mark reports
+                        # POLLOUT for its other peers) cannot starve the loop.
+                        await trio.lowlevel.checkpoint()
                 finally:
                     self._fd_waiter = None
                     self._lot.unpark_all()
