@@ -1,0 +1,239 @@
+"""The real Mooncake engine: two processes on 127.0.0.1 over TCP with P2PHANDSHAKE.
+
+The peer process is ``mooncake_peer.py`` (JSON lines on stdin/stdout); the test
+process owns the other engine. Every write is verified byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+pytest.importorskip("mooncake.engine")
+
+from tspd.engines.base import EngineUnavailable, TransferEngine, TransferError
+from tspd.engines.mooncake import (
+    DEFAULT_MAX_DESCRIPTORS,
+    INIT_FAILED,
+    MooncakeEngine,
+)
+from tspd.shell.offload import EngineRunner
+
+pytestmark = pytest.mark.mooncake
+
+PEER_SCRIPT = Path(__file__).with_name("mooncake_peer.py")
+ARENA = 32 << 20
+PAGE = 4096
+
+
+class Peer:
+    """The Mooncake engine in the other process."""
+
+    def __init__(self, size: int, log: Path) -> None:
+        self._log = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER_SCRIPT), str(size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        hello = self._read()
+        self.session: str = hello["session"]
+        self.addr: int = hello["addr"]
+        self.size: int = hello["size"]
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"mooncake peer exited early; see {self._log.name}"
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def digest(self, offset: int, length: int) -> str:
+        return str(self.call(op="digest", offset=offset, length=length)["sha256"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peer]:
+    """One peer process for the module (each test checks only what it wrote)."""
+    p = Peer(ARENA, tmp_path_factory.mktemp("mooncake") / "peer.log")
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture
+def dying_peer(tmp_path: Path) -> Iterator[Peer]:
+    """A peer of its own, for tests that stop it."""
+    p = Peer(1 << 20, tmp_path / "peer.log")
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+class Local:
+    """The engine in this process, with a registered, patterned arena."""
+
+    def __init__(self, size: int) -> None:
+        self.engine = MooncakeEngine("127.0.0.1")
+        self._buf = mmap.mmap(-1, size)
+        self.arena = np.frombuffer(self._buf, dtype=np.uint8)
+        self.arena[:] = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
+        self.addr = int(self.arena.ctypes.data)
+        self.engine.register_memory(self.addr, size)
+
+
+@pytest.fixture
+def local() -> Iterator[Local]:
+    loc = Local(ARENA)
+    try:
+        yield loc
+    finally:
+        loc.engine.close()
+
+
+def sha(data: np.ndarray) -> str:
+    return hashlib.sha256(data.tobytes()).hexdigest()
+
+
+def test_engine_satisfies_the_protocol(local: Local) -> None:
+    assert isinstance(local.engine, TransferEngine)
+    host, port = local.engine.session_id.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    assert int(port) > 0
+
+
+def test_two_processes_write_into_each_other(local: Local, peer: Peer) -> None:
+    # This process -> peer: scattered pages in reverse order, plus one large run.
+    pages = 64
+    src = [local.addr + i * PAGE for i in range(pages)]
+    dst = [peer.addr + (pages - 1 - i) * PAGE for i in range(pages)]
+    src.append(local.addr + (1 << 20))
+    dst.append(peer.addr + (8 << 20))
+    lengths = [PAGE] * pages + [4 << 20]
+    local.engine.batch_write(peer.session, src, dst, lengths)
+    expected = np.concatenate(
+        [local.arena[(pages - 1 - i) * PAGE : (pages - i) * PAGE] for i in range(pages)]
+    )
+    assert peer.digest(0, pages * PAGE) == sha(expected)
+    assert peer.digest(8 << 20, 4 << 20) == sha(local.arena[1 << 20 : 5 << 20])
+
+    # Peer -> this process.
+    peer.call(op="fill", seed=11)
+    peer_bytes = np.random.default_rng(11).integers(0, 256, ARENA, dtype=np.uint8)
+    reply = peer.call(
+        op="write",
+        peer=local.engine.session_id,
+        src=[0, 3 * PAGE],
+        dst=[local.addr + (16 << 20), local.addr + 100],
+        lengths=[2 * PAGE, 10],
+    )
+    assert reply == {"ok": True}
+    assert bytes(local.arena[16 << 20 : (16 << 20) + 2 * PAGE]) == bytes(peer_bytes[: 2 * PAGE])
+    assert bytes(local.arena[100:110]) == bytes(peer_bytes[3 * PAGE : 3 * PAGE + 10])
+
+
+def test_more_than_4096_descriptors_succeed_in_one_batch_write(local: Local, peer: Peer) -> None:
+    count = 5000  # > 4096 (TokenSpeed's call size) and > 2 * 2048 (Mooncake TCP's queue)
+    assert count > 4 * DEFAULT_MAX_DESCRIPTORS
+    offsets = np.arange(count, dtype=np.int64) * PAGE
+    local.engine.batch_write(
+        peer.session,
+        local.addr + offsets,
+        peer.addr + offsets,
+        np.full(count, PAGE, dtype=np.int64),
+    )
+    assert peer.digest(0, count * PAGE) == sha(local.arena[: count * PAGE])
+
+
+def test_out_of_range_destination_fails_and_engine_stays_usable(local: Local, peer: Peer) -> None:
+    with pytest.raises(TransferError) as err:
+        local.engine.batch_write(peer.session, [local.addr], [peer.addr + ARENA - 100], [PAGE])
+    assert err.value.peer == peer.session
+    assert err.value.code < 0
+    local.engine.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
+    assert peer.digest(0, PAGE) == sha(local.arena[:PAGE])
+
+
+def test_dead_and_unreachable_peers_fail_without_hanging(local: Local, dying_peer: Peer) -> None:
+    peer = dying_peer
+    local.engine.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
+    peer.stop()
+    started = time.monotonic()
+    with pytest.raises(TransferError) as dead:
+        local.engine.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
+    with pytest.raises(TransferError):
+        local.engine.batch_write("127.0.0.1:1", [local.addr], [0x10000], [PAGE])
+    # Well under MC_TRANSFER_TIMEOUT: a dead peer is refused, not timed out.
+    assert time.monotonic() - started < 5
+    assert dead.value.code < 0
+
+
+def test_register_errors_are_transfer_errors(local: Local) -> None:
+    with pytest.raises(TransferError) as overlap:
+        local.engine.register_memory(local.addr + PAGE, PAGE)
+    assert overlap.value.code != 0
+    with pytest.raises(TransferError) as unknown:
+        local.engine.unregister_memory(local.addr + PAGE)
+    assert unknown.value.code != 0
+
+
+def test_mismatched_columns_are_refused_before_mooncake(local: Local, peer: Peer) -> None:
+    with pytest.raises(TransferError, match="differ in length"):
+        local.engine.batch_write(peer.session, [local.addr, local.addr], [peer.addr], [1])
+    local.engine.batch_write(peer.session, [], [], [])  # empty: no call, success
+
+
+def test_closed_engine_refuses_writes(peer: Peer) -> None:
+    loc = Local(1 << 20)
+    loc.engine.close()
+    loc.engine.close()
+    with pytest.raises(TransferError, match="closed"):
+        loc.engine.batch_write(peer.session, [loc.addr], [peer.addr], [PAGE])
+
+
+def test_initialize_failure_has_the_spec_message() -> None:
+    with pytest.raises(EngineUnavailable) as err:
+        MooncakeEngine("127.0.0.1", metadata_server="http://127.0.0.1:1/metadata")
+    assert str(err.value) == INIT_FAILED
+    assert any("metadata_server" in note for note in err.value.__notes__)
+
+
+async def test_runner_writes_through_a_thread(local: Local, peer: Peer) -> None:
+    runner = EngineRunner(local.engine, limiter=trio.CapacityLimiter(1))
+    offsets = np.arange(8, dtype=np.int64) * PAGE
+    await runner.batch_write(
+        peer.session, local.addr + offsets, peer.addr + offsets, np.full(8, PAGE)
+    )
+    assert peer.digest(0, 8 * PAGE) == sha(local.arena[: 8 * PAGE])
