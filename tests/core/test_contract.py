@@ -603,6 +603,10 @@ def test_page_offsets_golden_whole_copy_vector() -> None:
     assert dst == [0x20148, 0x20188, 0x200E8]
     assert {source.field(f).payload_bytes for f in ("layer.0.kv", "layer.1.state")} == {16}
     validate_peer_layout(source, dest)
+    # A peer's field spec resolves by id to this contract's geometry.
+    assert dest.page_offset(source.field("layer.0.kv"), 5) == 0x148
+    with pytest.raises(ContractError, match=r"has no field 'layer\.9\.x'"):
+        dest.page_offset("layer.9.x", 1)
 
 
 def test_page_offset_formula_with_plane_offsets() -> None:

@@ -532,8 +532,9 @@ class CacheContract:
 
     def global_shape(self, f: FieldSpec | str) -> tuple[int, ...]:
         """The field's shape across all TP ranks: the partition axis (if any)
-        replaced by its global extent."""
-        spec = self.field(f) if isinstance(f, str) else f
+        replaced by its global extent. A :class:`FieldSpec` is resolved by its id in
+        *this* contract."""
+        spec = self.field(f if isinstance(f, str) else f.field_id)
         partition = self._index.partitions.get(spec.field_id)
         if partition is None:
             return spec.shape
@@ -553,11 +554,14 @@ class CacheContract:
     def page_offset(self, f: FieldSpec | str, page: int) -> int:
         """Byte offset of page ``page`` of a field inside this arena (spec §5.1).
 
-        Page 1 starts right after the plane's null parent.
+        Page 1 starts right after the plane's null parent. A :class:`FieldSpec` is
+        resolved by its id, so a peer's field of the same id gets this contract's
+        plane, stride and offset.
         """
-        spec = self._index.fields.get(f) if isinstance(f, str) else f
+        fid = f if isinstance(f, str) else f.field_id
+        spec = self._index.fields.get(fid)
         if spec is None:
-            raise ContractError(f"cache contract has no field {f!r}")
+            raise ContractError(f"cache contract has no field {fid!r}")
         pages = self.plan_group(spec.group_id).page_count
         if not 0 <= page < pages:
             raise PageIndexError(f"page_id {page} outside [0, {pages}) for group {spec.group_id!r}")
