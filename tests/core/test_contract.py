@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import pickle
 from typing import Any
 
 import pytest
@@ -676,6 +677,11 @@ def test_contracts_are_hashable_values() -> None:
     assert a == b
     assert hash(a) == hash(b)
     assert a != multi_layer_contract(layers=1, num_pages=3, heads=1, head_dim=1)
+    # Contracts cross thread and process boundaries with their lookups intact.
+    copied = pickle.loads(pickle.dumps(a))
+    assert copied == a
+    assert copied.fields_for_group("kv") == a.fields_for_group("kv")
+    assert copied.page_offset("layer.0.v", 2) == a.page_offset("layer.0.v", 2)
 
 
 # --------------------------------------------------------------------- §5.3 peers
