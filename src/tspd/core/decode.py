@@ -237,7 +237,13 @@ class DecodeCore:
 
     # ------------------------------------------------------------------ room helpers
 
-    def _fail(self, room: int, reason: str, trigger: str = DecodeTrigger.FAIL) -> None:
+    def _fail(
+        self,
+        room: int,
+        reason: str,
+        trigger: str = DecodeTrigger.FAIL,
+        timeout_stage: str | None = None,
+    ) -> None:
         if self._rooms.state(room) is RoomState.ABSENT:
             return
         newly = self._rooms.state(room) is not RoomState.FAILED
@@ -245,7 +251,11 @@ class DecodeCore:
         self._rooms.fire(room, trigger)
         if newly and self._rooms.state(room) is RoomState.FAILED:
             kept = self._rooms.failure(room) or reason
-            self._commands.append(RoomFailed(room, kept))
+            rid = self._rid_of_room.get(room)
+            if timeout_stage is None and rid is not None:
+                # A timeout recorded the first reason; the stage goes with it.
+                timeout_stage = self._receivers[rid].timeout_stage
+            self._commands.append(RoomFailed(room, kept, timeout_stage))
             self._log(LogLevel.WARNING, f"room {room} failed: {kept}", room)
 
     def _forget(self, receiver: _Receiver) -> None:
@@ -571,9 +581,9 @@ class DecodeCore:
             f"Request {room} timed out after {now - since:.1f}s in "
             f"{TransferPoll.WAITING_FOR_INPUT.label}"
         )
-        if self._rooms.record_failure(room, reason):
-            self._commands.append(RoomFailed(room, reason, "waiting_for_input"))
+        self._rooms.record_failure(room, reason)
         self._rooms.fire(room, DecodeTrigger.WAITING_TIMEOUT)
+        receiver.timeout_stage = "waiting_for_input"
         receiver.concluded = TransferPoll.FAILED
         return True
 
@@ -610,7 +620,9 @@ class DecodeCore:
             if poll is TransferPoll.FAILED:
                 if self._rooms.state(room) is not RoomState.FAILED:
                     self._fail(
-                        room, f"Request {room} failed on another rank of the Decode TP group"
+                        room,
+                        f"Request {room} failed on another rank of the Decode TP group",
+                        timeout_stage=receiver.timeout_stage,
                     )
                 reason = self._rooms.failure(room) or f"Request {room} failed"
                 events.append(Failed(receiver.rid, reason))
