@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -237,3 +239,19 @@ async def test_runner_writes_through_a_thread(local: Local, peer: Peer) -> None:
         peer.session, local.addr + offsets, peer.addr + offsets, np.full(8, PAGE)
     )
     assert peer.digest(0, 8 * PAGE) == sha(local.arena[: 8 * PAGE])
+
+
+@pytest.mark.slow
+def test_hung_peer_fails_after_the_transfer_timeout(local: Local, dying_peer: Peer) -> None:
+    """A stopped (SIGSTOP) peer fails the write after MC_TRANSFER_TIMEOUT (5 s in the
+    test configuration) instead of hanging, and works again once resumed."""
+    peer = dying_peer
+    local.engine.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TransferError):
+            local.engine.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    local.engine.batch_write(peer.session, [local.addr + PAGE], [peer.addr], [PAGE])
+    assert peer.digest(0, PAGE) == sha(local.arena[PAGE : 2 * PAGE])
