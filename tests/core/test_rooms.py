@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -10,6 +11,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from tspd.core.commands import Event, Failed, RemotePrefillDone, Succeeded
 from tspd.core.errors import ProtocolError
 from tspd.core.machines import (
     DECODE_ROOM,
@@ -23,6 +25,8 @@ from tspd.core.machines import (
 )
 from tspd.core.poll import TransferPoll
 from tspd.core.rooms import RoomTable
+from tspd.testing.core_pair import CorePair
+from tspd.testing.layouts import simple_contract
 
 
 def test_absent_room_polls_failed_and_is_ended() -> None:
@@ -151,3 +155,162 @@ def _table_machine(declaration: MachineDeclaration, compiled: CompiledMachine) -
 
 TestPrefillRoomTable = _table_machine(PREFILL_ROOM, PREFILL_ROOM_TABLE).TestCase
 TestDecodeRoomTable = _table_machine(DECODE_ROOM, DECODE_ROOM_TABLE).TestCase
+
+
+# --- both cores under random event sequences ------------------------------------------
+
+_PAIR_CONTRACT = simple_contract(num_pages=64, page_bytes=32)
+_PROMPT = 16
+_TERMINAL = (Failed, Succeeded, RemotePrefillDone)
+PAIR_ROOMS = st.integers(min_value=1, max_value=4)
+
+
+class PairMachine(RuleBasedStateMachine):
+    """A Prefill core and a Decode core under random requests, pre-allocations,
+    hand-overs, aborts, write failures, lost messages and time. Invariants: Failed
+    is sticky, progress is monotonic, an ended request is never reported again, and
+    nothing is left once every room ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = CorePair([_PAIR_CONTRACT], [_PAIR_CONTRACT], failed_session_ttl=5.0)
+        self.generation = 0
+        self.rid_of: dict[int, str] = {}
+        self.ended_rids: set[str] = set()
+        self.ended_on: set[tuple[str, str]] = set()
+        self.seen: dict[tuple[str, int], RoomState] = {}
+
+    # rules --------------------------------------------------------------------------
+
+    @rule(room=PAIR_ROOMS, on_prefill=st.booleans())
+    def start(self, room: int, on_prefill: bool) -> None:
+        if room in self.rid_of:
+            return
+        self.generation += 1
+        rid = f"r{room}.{self.generation}"
+        self.rid_of[room] = rid
+        self.pair.register_decode(rid, room)
+        if on_prefill:
+            self.pair.register_prefill(rid, room)
+
+    @rule(room=PAIR_ROOMS)
+    def prefill_registers_late(self, room: int) -> None:
+        rid = self.rid_of.get(room)
+        if rid is None or room in self.pair.prefill[0].tracked_rooms():
+            return
+        if self.pair.prefill[0].room_state(room) is not RoomState.ABSENT or rid in self.ended_rids:
+            return
+        self.pair.register_prefill(rid, room)
+
+    @rule(room=PAIR_ROOMS)
+    def preallocate(self, room: int) -> None:
+        if self.pair.decode[0].room_state(room) is RoomState.BOOTSTRAPPED:
+            self.pair.preallocate(room, _PROMPT)
+
+    @rule(room=PAIR_ROOMS)
+    def hand_over(self, room: int) -> None:
+        core = self.pair.prefill[0]
+        if core.room_state(room) is RoomState.BOOTSTRAPPED and room in core.tracked_rooms():
+            self.pair.hand_over(room, _PROMPT)
+
+    @rule(room=PAIR_ROOMS)
+    def abort(self, room: int) -> None:
+        self.pair.prefill[0].abort(room, f"test abort {room}", self.pair.now)
+        self.pair.pump()
+
+    @rule(broken=st.booleans())
+    def decode_session_breaks(self, broken: bool) -> None:
+        session = CorePair.decode_session(0)
+        if broken:
+            self.pair.write_errors[session] = "injected"
+        else:
+            self.pair.write_errors.pop(session, None)
+
+    @rule(lost=st.booleans())
+    def status_messages_get_lost(self, lost: bool) -> None:
+        if lost:
+            self.pair.dropped_ports.add(8000)
+        else:
+            self.pair.dropped_ports.discard(8000)
+
+    @rule(frames=st.lists(st.binary(max_size=12), max_size=4))
+    def garbage_control(self, frames: list[bytes]) -> None:
+        self.pair.prefill[0].receive_control(frames, self.pair.now)
+        self.pair.pump()
+
+    @rule(seconds=st.sampled_from([1.0, 10.0, 60.0, 130.0, 310.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.pair.advance(seconds)
+
+    @rule()
+    def poll(self) -> None:
+        self._record("prefill", self.pair.poll_prefill())
+        self._record("decode", self.pair.poll_decode())
+
+    # checks -------------------------------------------------------------------------
+
+    def _record(self, side: str, events: list[Event]) -> None:
+        for event in events:
+            assert (side, event.rid) not in self.ended_on, f"{side}: {event} after it ended"
+            if isinstance(event, _TERMINAL):
+                self.ended_on.add((side, event.rid))
+                self.ended_rids.add(event.rid)
+            if isinstance(event, Failed):
+                assert event.reason
+        for room, rid in list(self.rid_of.items()):
+            if (
+                rid in self.ended_rids
+                and room not in self.pair.decode[0].tracked_rooms()
+                and room not in self.pair.prefill[0].tracked_rooms()
+            ):
+                del self.rid_of[room]
+                self.pair.release_room(room)
+
+    @invariant()
+    def failed_is_sticky_and_progress_monotonic(self) -> None:
+        for side, core in (("prefill", self.pair.prefill[0]), ("decode", self.pair.decode[0])):
+            for room in range(1, 5):
+                now = core.room_state(room)
+                before = self.seen.get((side, room))
+                if now is RoomState.ABSENT:
+                    self.seen.pop((side, room), None)
+                    continue
+                if before is RoomState.FAILED:
+                    assert now is RoomState.FAILED, (side, room, before, now)
+                elif before is not None and now is not RoomState.FAILED:
+                    assert now.poll is not None
+                    assert before.poll is not None
+                    assert now.poll >= before.poll, (side, room, before, now)
+                self.seen[(side, room)] = now
+                if now is RoomState.FAILED:
+                    assert core.room_failure(room), (side, room)
+
+    def teardown(self) -> None:
+        pair = self.pair
+        pair.write_errors.clear()
+        pair.dropped_ports.clear()
+        for _ in range(12):
+            for room in range(1, 5):
+                if pair.decode[0].room_state(room) is RoomState.BOOTSTRAPPED:
+                    pair.preallocate(room, _PROMPT)
+                core = pair.prefill[0]
+                if (
+                    core.room_state(room) is RoomState.BOOTSTRAPPED
+                    and room in core.tracked_rooms()
+                    and not core.statistics()["transfers_in_flight"]
+                ):
+                    pair.hand_over(room, _PROMPT)
+            self.poll()
+            pair.advance(400.0)
+            self.poll()
+            if not pair.prefill[0].has_in_flight() and not pair.decode[0].has_in_flight():
+                break
+        pair.advance(400.0)
+        assert not pair.prefill[0].has_in_flight()
+        assert not pair.decode[0].has_in_flight()
+        assert pair.room_tables_empty(), pair.statistics()
+        pair.close()
+
+
+TestPairMachine = PairMachine.TestCase
+TestPairMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -605,7 +605,12 @@ class PrefillCore:
         events: list[Event] = []
         for sender, value in zip(senders, agreed, strict=True):
             poll = TransferPoll.from_wire(value)
-            if sender.local is RoomState.BOOTSTRAPPING and poll is TransferPoll.BOOTSTRAPPED:
+            if sender.local is RoomState.BOOTSTRAPPING and poll in (
+                TransferPoll.BOOTSTRAPPED,
+                TransferPoll.SUCCESS,
+            ):
+                # A room may succeed before its Bootstrapped event went out: the event
+                # comes first, Succeeded on the next poll.
                 sender.local = RoomState.BOOTSTRAPPED
                 events.append(Bootstrapped(sender.rid))
             elif poll is TransferPoll.FAILED:

@@ -66,6 +66,7 @@ class _Job:
 @dataclass(slots=True)
 class _Room:
     decode_manifests: dict[int, BlockManifest] = field(default_factory=dict)
+    decode_tables: dict[int, dict[str, list[int]]] = field(default_factory=dict)
     prefill_tables: dict[int, dict[str, list[int]]] = field(default_factory=dict)
 
 
@@ -362,6 +363,7 @@ class CorePair:
         entry = self._rooms.setdefault(room, _Room())
         for rank, core in enumerate(self.decode):
             tables = self._decode_pages[rank].allocate(prompt_len, prefix_len)
+            entry.decode_tables[rank] = tables
             manifest = build_manifest(self.decode_contracts[rank], tables, prefix_len, prompt_len)
             entry.decode_manifests[rank] = manifest
             core.send_preallocation(room, manifest, self.now)
@@ -429,6 +431,8 @@ class CorePair:
             return
         for rank, tables in entry.prefill_tables.items():
             self._prefill_pages[rank].release(tables)
+        for rank, tables in entry.decode_tables.items():
+            self._decode_pages[rank].release(tables)
 
     def status(self, room: int) -> tuple[list[TransferPoll | None], list[TransferPoll | None]]:
         """The room's status on every Prefill rank and every Decode rank."""
