@@ -185,3 +185,17 @@ async def test_wait_step_in_thread_cancel_stops_the_thread() -> None:
 async def test_wait_step_rejects_a_bad_poll() -> None:
     with pytest.raises(ValueError, match="poll"):
         await wait_step(lambda: 5, 1, poll=0)
+
+
+async def test_a_write_cancelled_while_waiting_for_the_limiter_never_starts() -> None:
+    a, b, src, dst = _pair(latency=0.2)
+    runner = EngineRunner(a, limiter=trio.CapacityLimiter(1))
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(runner.batch_write, b.session_id, [s], [d], [8])
+        await trio.sleep(0.05)  # the first write holds the only token
+        with trio.move_on_after(0.01) as scope:
+            await runner.batch_write(b.session_id, [s + 8], [d + 8], [8])
+        assert scope.cancelled_caught
+    assert a.stats.batches == 1, "the queued write must not have run"
+    assert dst[8:16].sum() == 0
