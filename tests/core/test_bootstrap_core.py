@@ -123,6 +123,11 @@ def test_other_methods_on_route_get_405_json() -> None:
         assert reply.content_type == "application/json"
 
 
+def test_head_on_route_answers_like_get() -> None:
+    reply = BootstrapState().handle("HEAD", "/route", {}, b"")
+    assert (reply.status, reply.body) == (400, MISSING_INPUTS)
+
+
 def test_unknown_path_is_404() -> None:
     assert BootstrapState().handle("GET", "/nope", {}, b"").status == 404
 

@@ -126,7 +126,7 @@ class BootstrapState:
             return HttpReply(404, "Not Found")
         if method == "PUT":
             return self.put_route(body)
-        if method == "GET":
+        if method in ("GET", "HEAD"):  # the HTTP layer drops a HEAD reply's body
             return self.get_route(query)
         return HttpReply(405, METHOD_NOT_ALLOWED, _JSON)
 
