@@ -276,6 +276,8 @@ def test_preallocation_from_tables_and_caller_errors(pair: CorePair) -> None:
         core.register_request("z", 1, ADDR, 0.0)
     with pytest.raises(ConfigError):
         DecodeConfig(1, 0, CONTRACT, 1, "s", "h", 1, heartbeat_max_failures=0)
+    with pytest.raises(ConfigError, match="cannot register with Prefill ranks"):
+        DecodeCore(DecodeConfig(1, 0, CONTRACT, 0, "s", "h", 1))
 
 
 def test_waiting_timeout_via_timer_and_poll(pair: CorePair) -> None:

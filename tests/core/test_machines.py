@@ -173,3 +173,24 @@ def test_compile_rejects_malformed_declarations() -> None:
         compile_machine(
             MachineDeclaration(name="X", states=("a",), initial="q", triggers=(), transitions=())
         )
+
+
+@pytest.mark.parametrize(("declaration", "table"), MACHINES)
+def test_declaration_renders_as_a_mermaid_diagram_with_every_edge(
+    declaration: MachineDeclaration, table: CompiledMachine
+) -> None:
+    from transitions.extensions import GraphMachine
+
+    model = _Model()
+    GraphMachine(  # type: ignore[no-untyped-call]
+        model=model, graph_engine="mermaid", auto_transitions=False, **declaration.as_kwargs()
+    )
+    text = model.get_graph().draw(None)  # type: ignore[attr-defined]
+    assert "stateDiagram-v2" in text
+    for (source, trigger), dest in table.table.items():
+        line = next(
+            (ln for ln in text.splitlines() if ln.strip().startswith(f"{source} --> {dest}:")),
+            None,
+        )
+        assert line is not None, (source, dest)
+        assert trigger in line.split(":", 1)[1].replace(" ", "").split("|")

@@ -171,8 +171,8 @@ class DecodeCore:
         self._waiting_since: dict[int, float] = {}
         self._commands: list[Command] = []
         self._waiting_warned = False
-        self._registration_frames = tuple(
-            wire.encode_registration(
+        try:
+            registration = wire.encode_registration(
                 wire.Registration(
                     endpoint=config.endpoint,
                     port=config.port,
@@ -184,7 +184,12 @@ class DecodeCore:
                     decode_tp_rank=config.tp_rank,
                 )
             )
-        )
+        except TspdError as err:
+            raise ConfigError(
+                f"this Decode rank cannot register with Prefill ranks: {err} (check the "
+                "status endpoint, port, session id and arena base it was started with)"
+            ) from err
+        self._registration_frames = tuple(registration)
 
     # ------------------------------------------------------------------ outputs
 

@@ -116,7 +116,8 @@ class PrefillConfig:
     ``status_rank``: this rank in Decode's completion-tracking rank space (spec §4.5;
     ``tp_rank`` without pipeline parallelism). ``arena_base``/``arena_len``: this
     rank's registered cache arena (``arena_len`` defaults to the contract's arena
-    size). ``failed_session_ttl <= 0`` disables failed-session fast-fail.
+    size). ``session_id``: this rank's own transfer-engine session, for logs.
+    ``failed_session_ttl <= 0`` disables failed-session fast-fail.
     ``layerwise``/``layerwise_interval``: the producer schedule and the producer
     steps per transfer interval when KV streams layerwise, else ``None``.
     """
