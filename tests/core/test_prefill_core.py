@@ -515,9 +515,9 @@ def test_caller_errors_raise(pair: CorePair) -> None:
     with pytest.raises(ProtocolError, match="outside"):
         core.register_request("x", -1, 0.0)
     with pytest.raises(PlanError, match="Cache-transfer bootstrap token is unavailable"):
-        core.hand_over(1, {}, -1)
+        core.hand_over(1, {}, -1, (), 0.0)
     with pytest.raises(ProtocolError, match="destination metadata is unavailable"):
-        core.hand_over(1, {}, 1)
+        core.hand_over(1, {}, 1, (), 0.0)
     with pytest.raises(ProtocolError, match="2 values for 1 tracked"):
         core.conclude([1, 1], 0.0)
     with pytest.raises(ConfigError):

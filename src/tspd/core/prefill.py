@@ -682,8 +682,8 @@ class PrefillCore:
         room: int,
         source_tables: Mapping[str, Sequence[int]],
         bootstrap_token: int,
-        spec_candidate_ids: Sequence[int] = (),
-        now: float = 0.0,
+        spec_candidate_ids: Sequence[int],
+        now: float,
     ) -> None:
         """The prompt's KV is written: send it (spec §7.4 "remote decode hand-over").
 
