@@ -1,0 +1,657 @@
+"""The KV-event publisher on Trio: a PUB socket, a replaying ROUTER, a thread-safe queue.
+
+Wire (spec §9, byte-for-byte TokenSpeed): every non-empty round goes out as
+``[topic, seq (8 B big-endian), payload]`` on a PUB socket, sequence numbers from 0
+without skips; an optional ROUTER answers ``[client, b"", start_seq]`` with every
+buffered batch from ``start_seq`` and the end marker (sequence -1, empty payload).
+
+Shape of the machinery:
+
+* ``publish(events)`` encodes the batch in the caller's thread (the engine's
+  scheduler thread, typically) and puts it on a bounded queue, **waiting while the
+  queue is full**; ``publish_nowait`` drops and counts instead; from Trio code use
+  ``await apublish(events)``. The queue hands batches into Trio with
+  ``TrioToken.run_sync_soon`` -- only when the sender task sleeps, so a busy stream
+  costs one lock round-trip a batch (``tspd bench events`` compares this with
+  ``trio.from_thread.run``).
+* One sender task assigns sequence numbers, sends on the PUB socket (which never
+  blocks: at its high-water mark libzmq drops, which subscribers see as a gap) and
+  appends every batch to the replay buffer -- also one whose send failed (R-ev), so
+  a replay can still fill that gap.
+* One replay task serves requests one at a time from a snapshot of the buffer. The
+  ROUTER's send high-water mark covers the whole buffer, and sends use
+  ``ROUTER_MANDATORY`` with backpressure (a full pipe waits instead of dropping, as
+  TokenSpeed's replay silently does past 1,000 messages). If a client stops reading
+  for ``replay_stall_timeout`` the replay is cut short: the end marker follows the
+  last batch actually sent, so the client sees exactly where the run stopped and
+  that its gap is still open. The replay task yields to the sender regularly, so a
+  long replay never holds up live publishing.
+* Closing stops accepting batches, sends what is queued for up to
+  ``close_timeout`` (1 s, TokenSpeed's ``SHUTDOWN_TIMEOUT``), then logs and counts
+  what it dropped. ``publish`` after close drops and counts (R-ev) rather than raise.
+
+Open a publisher with :func:`open_kv_publisher` (or :func:`open_event_publisher`,
+which follows TokenSpeed's factory: config string, ``enable_kv_cache_events``, and
+the registry of publisher kinds in :data:`PUBLISHERS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import Final, Protocol, final
+
+import trio
+import zmq
+
+from tspd.core.errors import ConfigError, WireError
+from tspd.core.kv_config import (
+    KVEventsConfig,
+    PublisherRegistry,
+    bind_address,
+    check_endpoint,
+    offset_endpoint_port,
+    parse_kv_events_config,
+    pub_binds,
+)
+from tspd.core.kv_events import KVEvent, KVEventBatch, encode_batch
+from tspd.core.replay import (
+    ReplayBuffer,
+    ReplayRequest,
+    decode_replay_request,
+    end_marker_frames,
+    replay_reply_frames,
+)
+from tspd.shell.zmq import TrioSocket, open_socket
+
+__all__ = [
+    "PUBLISHERS",
+    "SHUTDOWN_TIMEOUT",
+    "EventPublisher",
+    "KVEventPublisher",
+    "NullKVEventPublisher",
+    "PublisherFactory",
+    "PublisherStats",
+    "open_event_publisher",
+    "open_kv_publisher",
+    "open_null_publisher",
+]
+
+log = logging.getLogger(__name__)
+
+#: How long closing waits for queued batches to go out (TokenSpeed's value).
+SHUTDOWN_TIMEOUT: Final = 1.0
+#: How long a replay waits for a client that stopped reading before cutting it short.
+REPLAY_STALL_TIMEOUT: Final = 5.0
+# Batches the sender takes off the queue before yielding to the replay task.
+_SEND_BATCH: Final = 256
+# Replayed messages sent between two yields to the sender task.
+_REPLAY_YIELD_EVERY: Final = 64
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PublisherStats:
+    """A publisher's counters (for metrics; monotonic except the two depths)."""
+
+    batches_published: int
+    events_published: int
+    batches_dropped: int
+    send_failures: int
+    replay_requests_served: int
+    replay_requests_invalid: int
+    replay_batches_sent: int
+    replays_cut_short: int
+    queue_depth: int
+    buffered: int
+    next_seq: int
+
+
+_ZERO_STATS: Final = PublisherStats(
+    batches_published=0,
+    events_published=0,
+    batches_dropped=0,
+    send_failures=0,
+    replay_requests_served=0,
+    replay_requests_invalid=0,
+    replay_batches_sent=0,
+    replays_cut_short=0,
+    queue_depth=0,
+    buffered=0,
+    next_seq=0,
+)
+
+
+class EventPublisher(Protocol):
+    """What every publisher kind offers (the ZMQ publisher, the null publisher...)."""
+
+    def publish(self, events: Sequence[KVEvent], *, ts: float | None = None) -> None:
+        """Queue one round's events from a non-Trio thread; waits while the queue is full."""
+
+    def publish_nowait(self, events: Sequence[KVEvent], *, ts: float | None = None) -> bool:
+        """Queue one round's events from any thread; ``False`` if it was dropped."""
+
+    async def apublish(self, events: Sequence[KVEvent], *, ts: float | None = None) -> None:
+        """Queue one round's events from Trio; waits while the queue is full."""
+
+    def statistics(self) -> PublisherStats:
+        """The publisher's counters."""
+
+
+Item = tuple[bytes, int]  # (payload, number of events)
+
+
+class _BatchQueue:
+    """A bounded FIFO from any thread into one Trio task.
+
+    Producers in other threads wait on a condition variable while it is full; the
+    Trio consumer sleeps on a :class:`trio.Event` that a producer sets through
+    ``run_sync_soon`` only when the consumer is actually asleep.
+    """
+
+    def __init__(self, maxsize: int, token: trio.lowlevel.TrioToken) -> None:
+        self._maxsize = max(1, maxsize)
+        self._items: deque[Item] = deque()
+        self._lock = threading.Lock()
+        self._not_full = threading.Condition(self._lock)
+        self._token = token
+        self._trio_thread = threading.get_ident()
+        self._consumer: trio.Event | None = None
+        self._space: trio.Event | None = None
+        self._closed = False
+        self.dropped = 0
+
+    @property
+    def trio_thread(self) -> int:
+        return self._trio_thread
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: Item, *, block: bool) -> bool:
+        """Append ``item``; ``False`` (and counted as dropped) if closed, or full and
+        not blocking. Must not block in the Trio thread."""
+        with self._lock:
+            if block:
+                while len(self._items) >= self._maxsize and not self._closed:
+                    self._not_full.wait()
+            if self._closed or len(self._items) >= self._maxsize:
+                self.dropped += 1
+                return False
+            self._items.append(item)
+            wake = self._consumer
+            self._consumer = None
+        if wake is not None:
+            self._wake(wake)
+        return True
+
+    async def put_async(self, item: Item) -> bool:
+        """Append ``item`` from the Trio thread, waiting for space; ``False`` if closed."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    self.dropped += 1
+                    return False
+                if len(self._items) < self._maxsize:
+                    self._items.append(item)
+                    wake = self._consumer
+                    self._consumer = None
+                    break
+                if self._space is None:
+                    self._space = trio.Event()
+                space = self._space
+            await space.wait()
+        if wake is not None:
+            wake.set()
+        await trio.lowlevel.checkpoint()
+        return True
+
+    def _wake(self, event: trio.Event) -> None:
+        if threading.get_ident() == self._trio_thread:
+            event.set()
+            return
+        # If the publisher's loop is gone, close() already accounted for the queue.
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(event.set)
+
+    async def get_batch(self, max_items: int) -> list[Item]:
+        """Up to ``max_items`` items, waiting while empty; ``[]`` once closed and empty."""
+        while True:
+            with self._lock:
+                if self._items:
+                    count = min(max_items, len(self._items))
+                    out = [self._items.popleft() for _ in range(count)]
+                    self._not_full.notify_all()
+                    space, self._space = self._space, None
+                    break
+                if self._closed:
+                    return []
+                event = self._consumer = trio.Event()
+            await event.wait()
+        if space is not None:
+            space.set()
+        return out
+
+    def close(self) -> None:
+        """Refuse new items; wake every waiter (the consumer drains what is left)."""
+        with self._lock:
+            self._closed = True
+            self._not_full.notify_all()
+            wake, self._consumer = self._consumer, None
+            space, self._space = self._space, None
+        if wake is not None:
+            wake.set()
+        if space is not None:
+            space.set()
+
+    def abandon(self) -> int:
+        """Drop everything still queued; return how many items that was."""
+        with self._lock:
+            left = len(self._items)
+            self._items.clear()
+            self.dropped += left
+            self._not_full.notify_all()
+            return left
+
+
+class _ReplaySend:
+    SENT: Final = "sent"
+    GONE: Final = "gone"
+    STALLED: Final = "stalled"
+
+
+@final
+class KVEventPublisher:
+    """One attention-DP rank's ZMQ publisher; create it with :func:`open_kv_publisher`."""
+
+    def __init__(
+        self,
+        *,
+        topic: bytes,
+        dp_rank: int,
+        queue: _BatchQueue,
+        buffer: ReplayBuffer,
+        pub: TrioSocket,
+        router: TrioSocket | None,
+        endpoint: str,
+        replay_endpoint: str | None,
+        replay_stall_timeout: float,
+    ) -> None:
+        self._topic = topic
+        self._dp_rank = dp_rank
+        self._queue = queue
+        self._buffer = buffer
+        self._pub = pub
+        self._router = router
+        self._endpoint = endpoint
+        self._replay_endpoint = replay_endpoint
+        self._replay_stall_timeout = replay_stall_timeout
+        self._drained = trio.Event()
+        self._next_seq = 0
+        self._batches = 0
+        self._events = 0
+        self._send_failures = 0
+        self._replays_served = 0
+        self._replays_invalid = 0
+        self._replay_batches = 0
+        self._replays_cut_short = 0
+        self._warned_closed = False
+
+    # -- the public face ---------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """The PUB socket's address (the bound address when it binds)."""
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The replay ROUTER's bound address, or ``None`` without replay."""
+        return self._replay_endpoint
+
+    @property
+    def dp_rank(self) -> int:
+        """The attention-DP rank written into every batch."""
+        return self._dp_rank
+
+    def publish(self, events: Sequence[KVEvent], *, ts: float | None = None) -> None:
+        """Queue one round's events, waiting while the queue is full.
+
+        For the engine's own threads; in the Trio thread this would deadlock and
+        raises :class:`RuntimeError` (use :meth:`apublish` there). Empty rounds
+        publish nothing. After close the batch is dropped and counted.
+        """
+        if not events:
+            return
+        if threading.get_ident() == self._queue.trio_thread:
+            raise RuntimeError(
+                "KVEventPublisher.publish() waits for queue space and would block the Trio "
+                "loop; call `await publisher.apublish(events)` from Trio code"
+            )
+        if not self._queue.put(self._encode(events, ts), block=True):
+            self._warn_dropped()
+
+    def publish_nowait(self, events: Sequence[KVEvent], *, ts: float | None = None) -> bool:
+        """Queue one round's events without waiting; ``False`` when dropped (queue full
+        or publisher closed), and counted in :attr:`PublisherStats.batches_dropped`."""
+        if not events:
+            return True
+        return self._queue.put(self._encode(events, ts), block=False)
+
+    async def apublish(self, events: Sequence[KVEvent], *, ts: float | None = None) -> None:
+        """Queue one round's events from Trio code, waiting while the queue is full."""
+        if not events:
+            await trio.lowlevel.checkpoint()
+            return
+        if not await self._queue.put_async(self._encode(events, ts)):
+            self._warn_dropped()
+
+    def statistics(self) -> PublisherStats:
+        """The publisher's counters (safe to read from any thread)."""
+        return PublisherStats(
+            batches_published=self._batches,
+            events_published=self._events,
+            batches_dropped=self._queue.dropped,
+            send_failures=self._send_failures,
+            replay_requests_served=self._replays_served,
+            replay_requests_invalid=self._replays_invalid,
+            replay_batches_sent=self._replay_batches,
+            replays_cut_short=self._replays_cut_short,
+            queue_depth=len(self._queue),
+            buffered=len(self._buffer),
+            next_seq=self._next_seq,
+        )
+
+    # -- internals ---------------------------------------------------------------
+
+    def _encode(self, events: Sequence[KVEvent], ts: float | None) -> Item:
+        stamp = time.time() if ts is None else ts
+        return encode_batch(KVEventBatch(stamp, tuple(events), self._dp_rank)), len(events)
+
+    def _warn_dropped(self) -> None:
+        if not self._warned_closed:
+            self._warned_closed = True
+            log.warning(
+                "the KV event publisher for DP rank %d is closed; dropping a batch "
+                "(later drops are only counted in statistics().batches_dropped)",
+                self._dp_rank,
+            )
+
+    async def _run_sender(self) -> None:
+        topic, pub, buffer = self._topic, self._pub, self._buffer
+        while True:
+            items = await self._queue.get_batch(_SEND_BATCH)
+            if not items:
+                break
+            for payload, count in items:
+                seq = self._next_seq
+                self._next_seq = seq + 1
+                try:
+                    sent = pub.send_multipart_nowait([topic, seq.to_bytes(8, "big"), payload])
+                except zmq.ZMQError as exc:
+                    sent = False
+                    error = str(exc)
+                else:
+                    error = "the PUB socket refused the message"
+                if not sent:
+                    self._send_failures += 1
+                    if self._send_failures == 1 or self._send_failures % 1000 == 0:
+                        log.warning(
+                            "publishing KV event batch %d on %s failed (%s); it stays in the "
+                            "replay buffer (%d failures so far)",
+                            seq,
+                            self._endpoint,
+                            error,
+                            self._send_failures,
+                        )
+                buffer.append(seq, payload)
+                self._batches += 1
+                self._events += count
+            await trio.lowlevel.checkpoint()
+        self._drained.set()
+
+    async def _run_replay(self, router: TrioSocket) -> None:
+        while True:
+            frames = await router.recv_multipart()
+            try:
+                request = decode_replay_request(frames)
+            except WireError as exc:
+                self._replays_invalid += 1
+                log.warning("%s on %s; ignored", exc, self._replay_endpoint)
+                continue
+            await self._serve_replay(router, request)
+
+    async def _serve_replay(self, router: TrioSocket, request: ReplayRequest) -> None:
+        batches = self._buffer.since(request.start_seq)
+        sent = 0
+        outcome = _ReplaySend.SENT
+        for seq, payload in batches:
+            outcome = await self._send_replay(
+                router, replay_reply_frames(request.client, seq, payload)
+            )
+            if outcome != _ReplaySend.SENT:
+                break
+            sent += 1
+            if sent % _REPLAY_YIELD_EVERY == 0:
+                await trio.lowlevel.checkpoint()
+        self._replay_batches += sent
+        if outcome == _ReplaySend.GONE:
+            log.info(
+                "KV event replay client %s disconnected after %d of %d batches",
+                request.client.hex(),
+                sent,
+                len(batches),
+            )
+            return
+        if outcome == _ReplaySend.STALLED:
+            self._replays_cut_short += 1
+            log.warning(
+                "KV event replay to client %s cut short after %d of %d batches: the client "
+                "read nothing for %.1f s; the end marker follows the last batch sent, so "
+                "the client can ask again from there",
+                request.client.hex(),
+                sent,
+                len(batches),
+                self._replay_stall_timeout,
+            )
+        end = await self._send_replay(router, end_marker_frames(request.client))
+        if end == _ReplaySend.SENT:
+            self._replays_served += 1
+
+    async def _send_replay(self, router: TrioSocket, frames: list[bytes]) -> str:
+        """Send with backpressure: a full pipe waits (bounded) instead of dropping."""
+        waited = 0.0
+        delay = 0.0
+        while True:
+            try:
+                if router.send_multipart_nowait(frames):
+                    return _ReplaySend.SENT
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    return _ReplaySend.GONE
+                raise
+            if waited >= self._replay_stall_timeout:
+                return _ReplaySend.STALLED
+            await trio.sleep(delay)
+            waited += max(delay, 0.0005)
+            delay = min(max(delay * 2, 0.0005), 0.05)
+
+    async def _shutdown(self, nursery: trio.Nursery, flush_for: float) -> None:
+        """Stop accepting, flush for up to ``flush_for`` seconds, report drops, close."""
+        deadline = trio.current_time() + flush_for
+        self._queue.close()
+        with trio.CancelScope(shield=True):
+            with trio.move_on_at(deadline):
+                await self._drained.wait()
+            left = self._queue.abandon()
+            if left:
+                log.warning(
+                    "KV event publisher for DP rank %d closed with %d batches still queued "
+                    "after %.1f s; they were dropped",
+                    self._dp_rank,
+                    left,
+                    flush_for,
+                )
+            nursery.cancel_scope.cancel()
+            remaining_ms = max(0, int((deadline - trio.current_time()) * 1000))
+            # The PUB keeps sending what it holds for the rest of the budget, in
+            # libzmq's I/O thread, without holding up the caller.
+            self._pub.close(linger=remaining_ms)
+            if self._router is not None:
+                self._router.close()
+
+
+def _attach(sock: TrioSocket, endpoint: str, *, bind: bool, what: str, dp_rank: int) -> str:
+    """Bind or connect ``sock``; return the address peers use. ZMQ errors become
+    :class:`ConfigError` naming the endpoint."""
+    try:
+        if bind:
+            sock.sock.bind(bind_address(endpoint))
+            last = sock.sock.getsockopt(zmq.LAST_ENDPOINT)
+            assert isinstance(last, bytes)
+            return last.decode()
+        sock.sock.connect(endpoint)
+        return endpoint
+    except zmq.ZMQError as exc:
+        sock.close()
+        verb = "bind" if bind else "connect"
+        raise ConfigError(
+            f"KV event publisher for DP rank {dp_rank}: cannot {verb} the {what} socket to "
+            f"{endpoint}: {exc}"
+        ) from None
+
+
+@asynccontextmanager
+async def open_kv_publisher(
+    config: KVEventsConfig,
+    dp_rank: int = 0,
+    *,
+    ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+    close_timeout: float = SHUTDOWN_TIMEOUT,
+    replay_stall_timeout: float = REPLAY_STALL_TIMEOUT,
+    replay_sndhwm: int | None = None,
+) -> AsyncIterator[KVEventPublisher]:
+    """Publish KV events for ``dp_rank`` until the block exits.
+
+    Endpoints follow spec §9.6: the DP rank moves TCP ports, the PUB binds for
+    wildcard and IPC addresses and connects otherwise, the replay ROUTER binds.
+    Unsupported endpoints raise :class:`ConfigError` here, before anything starts.
+    ``replay_sndhwm`` overrides the ROUTER's send high-water mark (default: the
+    buffer size plus a margin, so a whole replay fits).
+    """
+    endpoint = offset_endpoint_port(config.endpoint, dp_rank)
+    check_endpoint(endpoint)
+    replay_endpoint = None
+    if config.replay_endpoint is not None:
+        replay_endpoint = offset_endpoint_port(config.replay_endpoint, dp_rank)
+        check_endpoint(replay_endpoint)
+    if config.unknown_keys:
+        log.warning("KV events config: ignoring unknown keys %s", ", ".join(config.unknown_keys))
+    context = ctx if ctx is not None else zmq.Context.instance()
+    pub = open_socket(context, zmq.PUB)
+    pub.sock.setsockopt(zmq.SNDHWM, config.hwm)
+    pub.sock.setsockopt(zmq.RCVHWM, config.hwm)
+    bound = _attach(pub, endpoint, bind=pub_binds(endpoint), what="PUB", dp_rank=dp_rank)
+    router: TrioSocket | None = None
+    replay_bound: str | None = None
+    if replay_endpoint is not None:
+        router = open_socket(context, zmq.ROUTER)
+        router.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        hwm = replay_sndhwm if replay_sndhwm is not None else config.buffer_steps + 64
+        router.sock.setsockopt(zmq.SNDHWM, hwm)
+        try:
+            replay_bound = _attach(
+                router, replay_endpoint, bind=True, what="replay ROUTER", dp_rank=dp_rank
+            )
+        except ConfigError:
+            pub.close()
+            raise
+    queue = _BatchQueue(config.max_queue_size, trio.lowlevel.current_trio_token())
+    publisher = KVEventPublisher(
+        topic=config.topic.encode(),
+        dp_rank=dp_rank,
+        queue=queue,
+        buffer=ReplayBuffer(config.buffer_steps),
+        pub=pub,
+        router=router,
+        endpoint=bound,
+        replay_endpoint=replay_bound,
+        replay_stall_timeout=replay_stall_timeout,
+    )
+    log.info(
+        "publishing KV cache events for DP rank %d on %s (replay: %s)",
+        dp_rank,
+        bound,
+        replay_bound or "off",
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publisher._run_sender)
+            if router is not None:
+                nursery.start_soon(publisher._run_replay, router)
+            try:
+                yield publisher
+            finally:
+                await publisher._shutdown(nursery, close_timeout)
+    finally:
+        pub.close()
+        if router is not None:
+            router.close()
+
+
+@final
+class NullKVEventPublisher:
+    """The publisher of a rank that does not publish: accepts and discards everything."""
+
+    def publish(self, events: Sequence[KVEvent], *, ts: float | None = None) -> None:
+        """Discard."""
+
+    def publish_nowait(self, events: Sequence[KVEvent], *, ts: float | None = None) -> bool:
+        """Discard; always accepted."""
+        return True
+
+    async def apublish(self, events: Sequence[KVEvent], *, ts: float | None = None) -> None:
+        """Discard."""
+        await trio.lowlevel.checkpoint()
+
+    def statistics(self) -> PublisherStats:
+        """All zero."""
+        return _ZERO_STATS
+
+
+@asynccontextmanager
+async def open_null_publisher(
+    config: KVEventsConfig | None = None, dp_rank: int = 0
+) -> AsyncIterator[NullKVEventPublisher]:
+    """A null publisher, for the factory's uniform shape."""
+    await trio.lowlevel.checkpoint()
+    yield NullKVEventPublisher()
+
+
+#: A publisher kind: ``(config, dp_rank)`` to an async context manager.
+PublisherFactory = Callable[[KVEventsConfig, int], AbstractAsyncContextManager[EventPublisher]]
+
+#: The registered publisher kinds (``"zmq"`` and ``"null"``); embedders may add more.
+PUBLISHERS: PublisherRegistry[PublisherFactory] = PublisherRegistry()
+PUBLISHERS.register("zmq", open_kv_publisher)
+PUBLISHERS.register("null", open_null_publisher)
+
+
+def open_event_publisher(
+    config: KVEventsConfig | str | None, dp_rank: int = 0, *, attn_tp_rank: int = 0
+) -> AbstractAsyncContextManager[EventPublisher]:
+    """TokenSpeed's factory: the publisher this rank should run.
+
+    No config, events disabled, ``"publisher": "null"`` or an attention-TP rank
+    other than 0 give the null publisher; an unknown kind raises
+    ``ConfigError("Unknown event publisher '<kind>'")``.
+    """
+    parsed = parse_kv_events_config(config) if isinstance(config, str) else config
+    if parsed is None or attn_tp_rank != 0:
+        return open_null_publisher(parsed, dp_rank)
+    return PUBLISHERS.get(parsed.kind)(parsed, dp_rank)

@@ -1,0 +1,384 @@
+"""The Trio KV-event publisher on real sockets over 127.0.0.1 and IPC."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import msgpack
+import pytest
+import trio
+import zmq
+
+from tspd.core.errors import ConfigError
+from tspd.core.kv_config import KVEventsConfig
+from tspd.core.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    decode_batch,
+    decode_pub_frames,
+)
+from tspd.core.replay import END_SEQ_FRAME, decode_replay_reply, encode_replay_request
+from tspd.shell.kv_publisher import (
+    PUBLISHERS,
+    KVEventPublisher,
+    NullKVEventPublisher,
+    open_event_publisher,
+    open_kv_publisher,
+)
+from tspd.shell.ports import free_port
+from tspd.shell.zmq import TrioSocket, open_socket
+
+EVENTS: list[KVEvent] = [BlockStored((11,), None, (1, 2, 3, 4), 4), BlockRemoved((7,))]
+
+
+async def _until(predicate: Callable[[], bool], limit: float = 10.0) -> None:
+    """Poll ``predicate`` until it holds (state that has no event to wait on)."""
+    with trio.fail_after(limit):
+        for _ in itertools.count():
+            if predicate():
+                return
+            await trio.sleep(0.002)
+
+
+@pytest.fixture
+def ipc_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="tspd-kv-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def ctx() -> zmq.Context[zmq.Socket[bytes]]:
+    return zmq.Context.instance()
+
+
+def _config(endpoint: str, **fields: object) -> KVEventsConfig:
+    return KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint, **fields)  # type: ignore[arg-type]
+
+
+async def _subscribed(pub: KVEventPublisher, sub: TrioSocket) -> int:
+    """Publish until the SUB sees a batch (the slow-joiner window); return the next seq."""
+    seq: int | None = None
+    with trio.fail_after(10):
+        while seq is None:
+            await pub.apublish(EVENTS)
+            with trio.move_on_after(0.05):
+                seq = decode_pub_frames(await sub.recv_multipart()).seq
+        # Drain what else arrived during the probe.
+        while True:
+            with trio.move_on_after(0.05) as scope:
+                seq = decode_pub_frames(await sub.recv_multipart()).seq
+            if scope.cancelled_caught:
+                return seq + 1
+
+
+def _sub(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, topic: bytes = b"") -> TrioSocket:
+    sub = open_socket(ctx, zmq.SUB)
+    sub.sock.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.sock.connect(endpoint)
+    return sub
+
+
+async def test_batches_arrive_in_order_with_three_frames_and_tokenspeed_payload(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str
+) -> None:
+    config = _config(f"ipc://{ipc_dir}/pub", topic="kv@pod")
+    async with open_kv_publisher(config, ctx=ctx) as pub:
+        assert pub.endpoint == f"ipc://{ipc_dir}/pub"
+        async with _sub(ctx, pub.endpoint, b"kv@") as sub:
+            first = await _subscribed(pub, sub)
+            for i in range(50):
+                await pub.apublish(EVENTS, ts=float(i))
+            got: list[list[bytes]] = []
+            with trio.fail_after(10):
+                while len(got) < 50:
+                    got.append(await sub.recv_multipart())
+    messages = [decode_pub_frames(frames) for frames in got]
+    assert [m.seq for m in messages] == list(range(first, first + 50))
+    assert {m.topic for m in messages} == {b"kv@pod"}
+    plain = msgpack.unpackb(messages[3].payload)
+    assert plain == [3.0, [["BlockStored", [11], None, [1, 2, 3, 4], 4], ["BlockRemoved", [7]]], 0]
+    stats = pub.statistics()
+    assert stats.batches_published == first + 50
+    assert stats.events_published == 2 * (first + 50)
+    assert stats.batches_dropped == 0
+
+
+async def test_sequence_starts_at_zero_and_empty_rounds_send_nothing(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str
+) -> None:
+    port = free_port()
+    sub = open_socket(ctx, zmq.SUB)
+    sub.sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.sock.bind(f"tcp://127.0.0.1:{port}")
+    async with sub, open_kv_publisher(_config(f"tcp://127.0.0.1:{port}"), ctx=ctx) as pub:
+        await pub.apublish([])
+        assert pub.publish_nowait([]) is True
+        first = await _subscribed(pub, sub)
+        assert pub.statistics().next_seq == first
+    assert first >= 1
+    assert pub.statistics().batches_published == first
+
+
+async def test_publish_from_an_engine_thread_and_refusal_in_the_trio_thread(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str
+) -> None:
+    async with open_kv_publisher(_config(f"ipc://{ipc_dir}/p", max_queue_size=4), ctx=ctx) as pub:
+
+        def engine_thread() -> None:
+            for _ in range(500):
+                pub.publish(EVENTS)
+
+        await trio.to_thread.run_sync(engine_thread)
+        with pytest.raises(RuntimeError, match="apublish"):
+            pub.publish(EVENTS)
+    stats = pub.statistics()
+    assert stats.batches_published == 500
+    assert stats.batches_dropped == 0
+
+
+async def test_full_queue_blocks_publish_and_drops_publish_nowait(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str
+) -> None:
+    async with open_kv_publisher(_config(f"ipc://{ipc_dir}/p", max_queue_size=2), ctx=ctx) as pub:
+        # No checkpoint in between: the sender task cannot drain yet.
+        assert pub.publish_nowait(EVENTS)
+        assert pub.publish_nowait(EVENTS)
+        assert not pub.publish_nowait(EVENTS)
+        assert pub.statistics().batches_dropped == 1
+        assert pub.statistics().queue_depth == 2
+
+        done = threading.Event()
+
+        def blocked_publisher() -> None:
+            pub.publish(EVENTS)
+            done.set()
+
+        thread = threading.Thread(target=blocked_publisher)
+        thread.start()
+        # Still no checkpoint: the queue stays full and the thread must wait.
+        time.sleep(0.2)  # noqa: ASYNC251
+        assert not done.is_set()
+        await _until(done.is_set)
+        await trio.to_thread.run_sync(thread.join)
+    assert pub.statistics().batches_published == 3
+
+
+async def test_close_flushes_the_queue_within_its_bound(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str
+) -> None:
+    config = _config(f"ipc://{ipc_dir}/p", max_queue_size=10_000)
+    async with open_kv_publisher(config, ctx=ctx) as pub:
+        for _ in range(3000):
+            assert pub.publish_nowait(EVENTS)
+        start = trio.current_time()
+    elapsed = trio.current_time() - start
+    stats = pub.statistics()
+    assert stats.batches_published == 3000
+    assert stats.batches_dropped == 0
+    assert elapsed < 3.0  # bounded by close_timeout (1 s) plus scheduling slack
+
+
+async def test_close_reports_what_it_could_not_send(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = _config(f"ipc://{ipc_dir}/p", max_queue_size=100)
+    async with open_kv_publisher(config, ctx=ctx, close_timeout=0.0) as pub:
+        for _ in range(40):
+            pub.publish_nowait(EVENTS)
+    stats = pub.statistics()
+    assert stats.batches_dropped == 40 - stats.batches_published
+    assert stats.batches_dropped > 0
+    assert "still queued" in caplog.text
+    # After close, publishing drops and counts instead of raising.
+    assert not pub.publish_nowait(EVENTS)
+    await trio.to_thread.run_sync(pub.publish, EVENTS)
+    assert pub.statistics().batches_dropped == stats.batches_dropped + 2
+
+
+async def _request(dealer: TrioSocket, start: bytes | int) -> list[tuple[int, bytes]]:
+    frame = start if isinstance(start, bytes) else encode_replay_request(start)[1]
+    await dealer.send_multipart([b"", frame])
+    out: list[tuple[int, bytes]] = []
+    with trio.fail_after(20):
+        while True:
+            reply = decode_replay_reply(await dealer.recv_multipart())
+            if reply.is_end:
+                assert reply.payload == b""
+                return out
+            out.append((reply.seq, reply.payload))
+
+
+def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> TrioSocket:
+    dealer = open_socket(ctx, zmq.DEALER)
+    dealer.sock.connect(endpoint)
+    return dealer
+
+
+async def test_replay_answers_from_start_seq_and_always_ends_with_the_marker(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str
+) -> None:
+    config = _config(f"ipc://{ipc_dir}/p", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=5)
+    async with open_kv_publisher(config, ctx=ctx) as pub:
+        assert pub.replay_endpoint is not None
+        assert pub.replay_endpoint.startswith("tcp://127.0.0.1:")
+        for i in range(8):
+            await pub.apublish(EVENTS, ts=float(i))
+        await _until(lambda: pub.statistics().next_seq >= 8)
+        async with _dealer(ctx, pub.replay_endpoint) as dealer:
+            all_kept = await _request(dealer, 0)
+            tail = await _request(dealer, 6)
+            none = await _request(dealer, 100)
+    assert [s for s, _ in all_kept] == [3, 4, 5, 6, 7]
+    assert decode_batch(all_kept[0][1]).ts == 3.0
+    assert [s for s, _ in tail] == [6, 7]
+    assert none == []
+    assert pub.statistics().replay_requests_served == 3
+    assert pub.statistics().replay_batches_sent == 7
+
+
+async def test_bad_replay_requests_are_answered_or_ignored_without_harm(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = _config(f"ipc://{ipc_dir}/p", replay_endpoint="tcp://127.0.0.1:0")
+    async with open_kv_publisher(config, ctx=ctx) as pub:
+        assert pub.replay_endpoint is not None
+        for _ in range(4):
+            await pub.apublish(EVENTS)
+        await _until(lambda: pub.statistics().next_seq >= 4)
+        async with _dealer(ctx, pub.replay_endpoint) as dealer:
+            # Wrong frame counts: logged and ignored, no reply.
+            await dealer.send_multipart([b"", b"\x00", b"extra"])
+            await dealer.send_multipart([b"\x00" * 8])
+            # Short start_seq: left-padded; long: its last 8 bytes.
+            short = await _request(dealer, b"\x02")
+            long = await _request(dealer, b"\xff\xff" + (3).to_bytes(8, "big"))
+            empty = await _request(dealer, b"")
+        assert pub.statistics().replay_requests_invalid == 2
+        # Live publishing carries on.
+        await pub.apublish(EVENTS)
+    assert [s for s, _ in short] == [2, 3]
+    assert [s for s, _ in long] == [3]
+    assert [s for s, _ in empty] == [0, 1, 2, 3]
+    assert "Invalid replay request: expected 3 frames" in caplog.text
+    assert pub.statistics().batches_published == 5
+
+
+def _big_events(i: int) -> list[BlockStored]:
+    return [BlockStored((i,), None, tuple(range(2048)), 2048)]
+
+
+async def test_replay_longer_than_the_high_water_mark_delivers_every_batch(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str
+) -> None:
+    """TokenSpeed loses batches past the ROUTER's HWM; backpressure must not."""
+    n = 3000
+    config = _config(f"ipc://{ipc_dir}/p", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=n)
+    async with open_kv_publisher(config, ctx=ctx, replay_sndhwm=50) as pub:
+        assert pub.replay_endpoint is not None
+        for i in range(n):
+            await pub.apublish(_big_events(i))
+        await _until(lambda: pub.statistics().next_seq >= n)
+        async with _dealer(ctx, pub.replay_endpoint) as dealer:
+            dealer.sock.setsockopt(zmq.RCVHWM, 50)
+            replayed = await _request(dealer, 0)
+    assert [s for s, _ in replayed] == list(range(n))
+    assert pub.statistics().replays_cut_short == 0
+
+
+async def test_replay_to_a_client_that_stops_reading_is_cut_short_visibly(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str
+) -> None:
+    n = 3000
+    config = _config(f"ipc://{ipc_dir}/p", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=n)
+    async with open_kv_publisher(
+        config, ctx=ctx, replay_sndhwm=20, replay_stall_timeout=0.3
+    ) as pub:
+        assert pub.replay_endpoint is not None
+        for i in range(n):
+            await pub.apublish(_big_events(i))
+        await _until(lambda: pub.statistics().next_seq >= n)
+        async with _dealer(ctx, pub.replay_endpoint) as dealer:
+            dealer.sock.setsockopt(zmq.RCVHWM, 20)
+            await dealer.send_multipart(encode_replay_request(0))
+            await _until(lambda: pub.statistics().replays_cut_short > 0, 20)
+            # Live publishing was not held up by the stalled replay.
+            await pub.apublish(EVENTS)
+            replayed = await _request_tail(dealer)
+    seqs = [s for s, _ in replayed]
+    assert 0 < len(seqs) < n
+    assert seqs == list(range(len(seqs)))  # a contiguous run, then the end marker
+    assert pub.statistics().batches_published == n + 1
+
+
+async def _request_tail(dealer: TrioSocket) -> list[tuple[int, bytes]]:
+    out: list[tuple[int, bytes]] = []
+    with trio.fail_after(20):
+        while True:
+            frames = await dealer.recv_multipart()
+            if frames[1] == END_SEQ_FRAME:
+                return out
+            reply = decode_replay_reply(frames)
+            out.append((reply.seq, reply.payload))
+
+
+async def test_dp_rank_moves_both_ports_and_is_written_into_batches(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    sub_port, replay_port = free_port(), free_port()
+    sub = open_socket(ctx, zmq.SUB)
+    sub.sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.sock.bind(f"tcp://127.0.0.1:{sub_port}")
+    config = _config(
+        f"tcp://127.0.0.1:{sub_port - 3}", replay_endpoint=f"tcp://127.0.0.1:{replay_port - 3}"
+    )
+    async with sub, open_kv_publisher(config, dp_rank=3, ctx=ctx) as pub:
+        assert pub.endpoint == f"tcp://127.0.0.1:{sub_port}"
+        assert pub.replay_endpoint == f"tcp://127.0.0.1:{replay_port}"
+        await _subscribed(pub, sub)
+        await pub.apublish(EVENTS)
+        with trio.fail_after(5):
+            message = decode_pub_frames(await sub.recv_multipart())
+    assert decode_batch(message.payload).dp_rank == 3
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "rank", "message"),
+    [
+        ("inproc://kv", 0, "inproc:// is private"),
+        ("ipc:///tmp/kv", 1, "only tcp:// endpoints can be offset"),
+        ("udp://127.0.0.1:1", 0, "unsupported endpoint udp://"),
+        ("tcp://127.0.0.1:notaport", 0, "cannot connect the PUB socket"),
+    ],
+)
+async def test_unsupported_endpoints_fail_at_start(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, rank: int, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        async with open_kv_publisher(_config(endpoint), dp_rank=rank, ctx=ctx):
+            pytest.fail("the publisher must not start")
+
+
+async def test_factory_follows_tokenspeed(ipc_dir: str) -> None:
+    async with open_event_publisher(None) as null:
+        assert isinstance(null, NullKVEventPublisher)
+        null.publish(EVENTS)
+        assert null.publish_nowait(EVENTS)
+        await null.apublish(EVENTS)
+        assert null.statistics().batches_published == 0
+    async with open_event_publisher('{"enable_kv_cache_events": false}') as off:
+        assert isinstance(off, NullKVEventPublisher)
+    enabled = f'{{"enable_kv_cache_events": true, "endpoint": "ipc://{ipc_dir}/f"}}'
+    async with open_event_publisher(enabled, attn_tp_rank=1) as other_rank:
+        assert isinstance(other_rank, NullKVEventPublisher)
+    async with open_event_publisher(enabled) as real:
+        assert isinstance(real, KVEventPublisher)
+    with pytest.raises(ConfigError, match="Unknown event publisher 'kafka'"):
+        open_event_publisher('{"enable_kv_cache_events": true, "publisher": "kafka"}')
+    assert PUBLISHERS.names() == ("null", "zmq")
