@@ -322,6 +322,9 @@ def test_conflicting_registration_rejects_the_session_and_its_rooms(pair: CorePa
     assert core.room_failure(2) == (
         "invalid pre-allocation metadata: CachePD request references an unregistered Decode session"
     )
+    assert pair.poll_decode() == [Failed("a", DEAD)]
+    pair.advance(120.0)
+    assert pair.room_tables_empty()
 
 
 def test_malformed_registration_is_rejected_by_route_or_dropped(pair: CorePair) -> None:
@@ -393,6 +396,8 @@ def test_invalid_manifest_aborts_and_notifies(pair: CorePair) -> None:
     assert reason.startswith("invalid pre-allocation metadata: ")
     assert pair.decode[0].room_failure(6) == DEAD
     assert pair.poll_prefill() == [Failed("r", reason)]
+    assert pair.poll_decode() == [Failed("r", DEAD)]
+    assert pair.room_tables_empty()
 
 
 def test_preallocation_for_a_failed_room_is_a_plain_notice_even_if_malformed(
@@ -451,8 +456,37 @@ def test_bootstrap_timeout_fails_with_reason_and_warns_once(pair: CorePair) -> N
     warnings = [m for m in _logs(pair) if "TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT" in m]
     assert len(warnings) == 1
     assert {f.timeout_stage for _, _, f in pair.failures} == {"bootstrapping"}
-    assert pair.room_tables_empty() is False  # Decode still tracks its side
     assert pair.prefill[0].statistics()["rooms"] == 0
+    # Decode has no timeout before its manifest; when it pre-allocates late, the
+    # room is unclaimed on Prefill and Decode hears Failed after the TTL.
+    assert pair.poll_decode() == [Bootstrapped("a"), Bootstrapped("b")]
+    pair.preallocate(1, PROMPT)
+    pair.preallocate(2, PROMPT)
+    pair.advance(120.0)
+    assert pair.poll_decode() == [Failed("a", DEAD), Failed("b", DEAD)]
+    assert pair.room_tables_empty()
+
+
+def test_bootstrap_timeout_tells_the_destinations_that_did_preallocate() -> None:
+    p = [multi_layer_contract(layers=1, num_pages=8, heads=4, head_dim=4, tp_size=1)]
+    d = [multi_layer_contract(layers=1, num_pages=8, heads=2, head_dim=4, tp_size=2)] * 2
+    pair = CorePair(p, d)
+    try:
+        pair.register_decode("a", 1)
+        pair.register_prefill("a", 1)
+        pair.poll_decode()
+        # Only Decode rank 0 pre-allocates; rank 1 died before it could.
+        pair.decode[0].send_preallocation(1, room_manifest(d[0], 8), pair.now)
+        pair.pump()
+        assert pair.prefill[0].room_state(1) is RoomState.BOOTSTRAPPING
+        pair.now = 120.0
+        reason = "Request 1 timed out after 120.0s in TransferPoll.Bootstrapping"
+        assert pair.poll_prefill() == [Failed("a", reason)]
+        assert pair.decode[0].room_failure(1) == DEAD
+        assert pair.decode[1].room_state(1) is RoomState.BOOTSTRAPPED
+        assert pair.prefill[0].statistics()["rooms"] == 0
+    finally:
+        pair.close()
 
 
 def test_stall_warning_lists_old_bootstrapping_requests_every_ten_seconds(
@@ -480,7 +514,8 @@ def test_unclaimed_preallocation_is_dropped_and_its_decode_told(pair: CorePair) 
     pair.advance(120.0)
     assert core.room_state(6) is RoomState.ABSENT
     assert pair.decode[0].room_failure(6) == DEAD
-    assert core.statistics()["destinations"] == 0
+    assert pair.poll_decode() == [Failed("r", DEAD)]
+    assert pair.room_tables_empty()
 
 
 def test_tracked_rooms_never_expire(pair: CorePair) -> None:
