@@ -131,7 +131,7 @@ def test_planning_errors_fail_the_room_instead_of_raising() -> None:
     assert core.room_failure(2) == reason
     core.register_request("c", 3, "other:1", 0.0)
     core.parallel_info("other:1", _info(layout=""), 0.0)
-    assert core.room_failure(3) == "Cache-transfer decode connected to a non-Cache-transfer prefill"
+    assert core.room_failure(3) == "Paged cache decode connected to a non-Paged cache prefill"
     core.register_request("d", 4, "bad:1", 0.0)
     core.parallel_info("bad:1", _info(layout="{}"), 0.0)
     assert core.room_state(4) is RoomState.FAILED

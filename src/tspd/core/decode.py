@@ -331,7 +331,7 @@ class DecodeCore:
     def _planner(self, bootstrap_addr: str, info: ParallelInfo) -> RoutePlanner | str:
         try:
             if not info.cache_layout:
-                return "Cache-transfer decode connected to a non-Cache-transfer prefill"
+                return "Paged cache decode connected to a non-Paged cache prefill"
             if info.tp_size < 1 or info.dp_size < 1 or info.tp_size_per_dp < 1:
                 return (
                     f"Prefill bootstrap {bootstrap_addr} reports an invalid topology: "
