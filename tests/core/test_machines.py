@@ -38,7 +38,7 @@ class _Model:
 
 def _via_transitions(declaration: MachineDeclaration, state: str, trigger: str) -> str:
     model = _Model()
-    Machine(model=model, auto_transitions=False, **declaration.as_kwargs())  # type: ignore[arg-type]
+    Machine(model=model, auto_transitions=False, **declaration.as_kwargs())
     model.state = state
     try:
         model.trigger(trigger)  # type: ignore[attr-defined]

@@ -314,3 +314,14 @@ class PairMachine(RuleBasedStateMachine):
 
 TestPairMachine = PairMachine.TestCase
 TestPairMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_rooms_benchmark_quick_run_prints_every_row() -> None:
+    from click.testing import CliRunner
+
+    from tspd.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "rooms", "--quick"])
+    assert result.exit_code == 0, result.output
+    for what in ("compiled table", "transitions.Machine", "TP2 -> TP1", "pre-allocation"):
+        assert what in result.output

@@ -30,7 +30,7 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final
+from typing import Any, Final
 
 from tspd.core.errors import ProtocolError
 from tspd.core.poll import TransferPoll
@@ -159,7 +159,7 @@ class MachineDeclaration:
     triggers: tuple[str, ...]
     transitions: tuple[Mapping[str, str], ...]
 
-    def as_kwargs(self) -> dict[str, object]:
+    def as_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``transitions.Machine``: fresh lists and dicts."""
         return {
             "states": list(self.states),

@@ -1,0 +1,172 @@
+"""``tspd bench rooms``: what the room machines and the protocol cores cost.
+
+Measured, with ``time.perf_counter`` loops after a warmup (best of a few rounds):
+
+* one room trigger through the compiled table (:mod:`tspd.core.machines`) against
+  the same trigger through a ``transitions.Machine`` built from the same
+  declaration — the reason the hot path uses the table (design §3);
+* one request's whole control-plane journey through a Prefill core and a Decode
+  core wired by :class:`~tspd.testing.core_pair.CorePair` (registration, route,
+  pre-allocation, hand-over, copy planning, status, polls), with tiny pages so the
+  byte copies do not dominate, for equal TP and for Prefill TP2 → Decode TP1;
+* one pre-allocation handled by a Prefill core (decode, registration lookup,
+  manifest validation, fan-out), for a room of ``pages`` pages.
+
+Figures only; nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from tspd.bench.core import measure
+from tspd.core import wire
+from tspd.core.machines import PREFILL_ROOM, PREFILL_ROOM_TABLE, PrefillTrigger, RoomState
+from tspd.core.prefill import PrefillConfig, PrefillCore
+from tspd.testing.core_pair import CorePair
+from tspd.testing.layouts import multi_layer_contract, room_manifest
+
+__all__ = ["RoomRow", "RoomSizes", "rooms", "run_room_benchmarks"]
+
+
+@dataclass(frozen=True, slots=True)
+class RoomSizes:
+    """Pages in the pre-allocated room, seconds per round, rounds."""
+
+    pages: int
+    min_seconds: float
+    rounds: int
+
+
+FULL = RoomSizes(pages=1024, min_seconds=0.2, rounds=5)
+QUICK = RoomSizes(pages=16, min_seconds=0.002, rounds=1)
+
+
+@dataclass(frozen=True, slots=True)
+class RoomRow:
+    """One line of the table."""
+
+    what: str
+    micros: float
+    per: str
+
+
+def _micros(fn: Callable[[], object], sizes: RoomSizes) -> float:
+    return measure(fn, min_seconds=sizes.min_seconds, rounds=sizes.rounds) * 1e6
+
+
+def _trigger_rows(sizes: RoomSizes) -> list[RoomRow]:
+    cycle = [
+        (RoomState.ABSENT, PrefillTrigger.REGISTER),
+        (RoomState.BOOTSTRAPPING, PrefillTrigger.FANOUT_COMPLETE),
+        (RoomState.BOOTSTRAPPED, PrefillTrigger.TRANSFER_SUCCEEDED),
+        (RoomState.SUCCESS, PrefillTrigger.FORGET),
+    ]
+
+    def table() -> None:
+        for state, trigger in cycle:
+            PREFILL_ROOM_TABLE.fire(state, trigger)
+
+    rows = [RoomRow("room trigger, compiled table", _micros(table, sizes) / 4, "trigger")]
+    try:
+        from transitions import Machine
+    except ImportError:  # pragma: no cover - transitions is a dependency
+        return rows
+
+    class _Model:
+        state: str
+
+    model = _Model()
+    Machine(model=model, auto_transitions=False, **PREFILL_ROOM.as_kwargs())
+
+    def machine() -> None:
+        for _, trigger in cycle:
+            model.trigger(trigger)  # type: ignore[attr-defined]
+
+    rows.append(
+        RoomRow("room trigger, transitions.Machine", _micros(machine, sizes) / 4, "trigger")
+    )
+    return rows
+
+
+def _journey_row(label: str, prefill_tp: int, decode_tp: int, sizes: RoomSizes) -> RoomRow:
+    def contracts(tp: int) -> list:  # type: ignore[type-arg]
+        return [
+            multi_layer_contract(
+                layers=2, num_pages=64, heads=4 // tp, head_dim=1, tp_size=tp, dtype="uint8"
+            )
+            for _ in range(tp)
+        ]
+
+    pair = CorePair(contracts(prefill_tp), contracts(decode_tp))
+    rooms = itertools.count()
+
+    def journey() -> None:
+        room = next(rooms)
+        pair.full_journey(f"r{room}", room, prompt_len=16)
+        pair.release_room(room)
+
+    try:
+        return RoomRow(label, _micros(journey, sizes), "request")
+    finally:
+        pair.close()
+
+
+def _preallocation_row(sizes: RoomSizes) -> RoomRow:
+    contract = multi_layer_contract(
+        layers=4, num_pages=sizes.pages, heads=1, head_dim=1, dtype="uint8", page_tokens=16
+    )
+    core = PrefillCore(PrefillConfig(tp_size=1, tp_rank=0, contract=contract, arena_base=0x1000))
+    session = "127.0.0.1:9000"
+    core.receive_control(
+        wire.encode_registration(
+            wire.Registration(
+                "127.0.0.1", 8000, session, 0x9000, contract, contract.to_json(), 1, 0
+            )
+        ),
+        0.0,
+    )
+    frames = wire.encode_preallocation(0, session, room_manifest(contract, sizes.pages * 16))
+    rooms = itertools.count()
+
+    def preallocate() -> None:
+        room = next(rooms)
+        frames[0] = wire.encode_uint(room)
+        core.receive_control(frames, 0.0)
+        core.abort(room, "benchmark", 0.0)
+        core.handle_timeout(1e9)
+        core.drain_commands()
+
+    return RoomRow(
+        f"pre-allocation handled, {sizes.pages}-page room", _micros(preallocate, sizes), "message"
+    )
+
+
+def run_room_benchmarks(sizes: RoomSizes) -> list[RoomRow]:
+    """Every measurement, in table order."""
+    return [
+        *_trigger_rows(sizes),
+        _journey_row("request journey, TP1 -> TP1", 1, 1, sizes),
+        _journey_row("request journey, TP2 -> TP1", 2, 1, sizes),
+        _preallocation_row(sizes),
+    ]
+
+
+@click.command()
+@click.option("--quick", is_flag=True, help="Tiny sizes and one short round (a smoke run).")
+def rooms(quick: bool) -> None:
+    """Room machines and Prefill/Decode core costs (figures only)."""
+    sizes = QUICK if quick else FULL
+    table = Table(title="tspd rooms and protocol cores")
+    table.add_column("what")
+    table.add_column("µs", justify="right")
+    table.add_column("per")
+    for row in run_room_benchmarks(sizes):
+        table.add_row(row.what, f"{row.micros:,.2f}", row.per)
+    Console().print(table)
