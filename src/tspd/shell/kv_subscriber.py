@@ -1,0 +1,422 @@
+"""A KV-event subscriber on Trio that heals gaps by replay and reports what it cannot heal.
+
+It listens to one or many publishers (one per attention-DP rank, or several
+engines) and yields, as one async iterator, what a router needs to keep its index
+honest:
+
+* :class:`ReceivedBatch` -- a decoded batch, per publisher strictly in sequence
+  order, each sequence number once (live or replayed);
+* :class:`ReplayRequested` -- a gap was seen and a replay asked for;
+* :class:`BatchesLost` -- batches the publisher can no longer resend (evicted from
+  its buffer, no replay socket, replay timed out): the router's view of that
+  publisher is incomplete from here on;
+* :class:`PublisherRestarted` -- the sequence went back: drop that publisher's state;
+* :class:`UndecodableBatch` -- a batch arrived but its payload is malformed.
+
+Each publisher gets a SUB socket (subscribed to the topic prefix) and, when it has
+a replay endpoint, a DEALER for the replay protocol (a REQ socket would only see
+the first reply). The ordering, deduplication and gap logic is
+:class:`tspd.core.seqtrack.SeqTracker`; this module only moves bytes and time.
+Payloads in TokenSpeed's array form and vLLM's map form are both decoded, so the
+same subscriber follows TokenSpeed, vLLM and SGLang engines.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Final, TypeAlias, final
+
+import trio
+import zmq
+
+from tspd.core.errors import WireError
+from tspd.core.kv_config import offset_endpoint_port
+from tspd.core.kv_events import KVEventBatch, decode_batch, decode_pub_frames
+from tspd.core.replay import decode_replay_reply, encode_replay_request
+from tspd.core.seqtrack import (
+    Deliver,
+    GapReason,
+    GapUnhealable,
+    RequestReplay,
+    SeqTracker,
+    TrackerCommand,
+    TrackerStats,
+)
+from tspd.core.seqtrack import PublisherRestarted as _Restarted
+from tspd.shell.zmq import TrioSocket, open_socket
+
+__all__ = [
+    "BatchesLost",
+    "EventSource",
+    "KVEventSubscriber",
+    "PublisherRestarted",
+    "ReceivedBatch",
+    "ReplayRequested",
+    "SubscriberItem",
+    "UndecodableBatch",
+    "open_kv_subscriber",
+]
+
+log = logging.getLogger(__name__)
+
+_RECV_BATCH: Final = 128
+
+
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    """One publisher to follow.
+
+    ``endpoint`` is the publisher's PUB address to connect to (or, with
+    ``bind=True``, the address to bind when the publisher connects, TokenSpeed's
+    non-wildcard case); ``replay_endpoint`` its ROUTER, if any. ``name`` labels
+    everything this source yields (default: the endpoint).
+    """
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    name: str = ""
+    bind: bool = False
+
+    @property
+    def label(self) -> str:
+        """The name items from this source carry."""
+        return self.name or self.endpoint
+
+    @classmethod
+    def for_dp_ranks(
+        cls,
+        endpoint: str,
+        replay_endpoint: str | None,
+        dp_ranks: Sequence[int],
+        *,
+        host: str,
+    ) -> list[EventSource]:
+        """One source per DP rank of a publisher configured with ``endpoint``.
+
+        The rank moves the TCP port as on the publisher; a wildcard host (``*``) is
+        replaced by ``host``, the address the publishers are reached at.
+        """
+
+        def resolve(address: str, rank: int) -> str:
+            return offset_endpoint_port(address, rank).replace("://*:", f"://{host}:")
+
+        return [
+            cls(
+                resolve(endpoint, rank),
+                resolve(replay_endpoint, rank) if replay_endpoint is not None else None,
+                name=f"dp{rank}",
+            )
+            for rank in dp_ranks
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedBatch:
+    """A batch, delivered in sequence order for its source."""
+
+    source: str
+    seq: int
+    batch: KVEventBatch
+    replayed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRequested:
+    """A gap was detected; a replay from ``start_seq`` was requested."""
+
+    source: str
+    start_seq: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchesLost:
+    """Batches ``first_missing`` .. ``resumed_at - 1`` of ``source`` will never arrive."""
+
+    source: str
+    first_missing: int
+    resumed_at: int
+    reason: GapReason
+
+    @property
+    def count(self) -> int:
+        """How many batches were lost."""
+        return self.resumed_at - self.first_missing
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherRestarted:
+    """``source``'s sequence went back from ``last_seq`` to ``new_seq``: a new stream."""
+
+    source: str
+    last_seq: int
+    new_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class UndecodableBatch:
+    """Batch ``seq`` of ``source`` arrived but its payload is malformed (``error``)."""
+
+    source: str
+    seq: int
+    error: str
+
+
+SubscriberItem: TypeAlias = (
+    ReceivedBatch | ReplayRequested | BatchesLost | PublisherRestarted | UndecodableBatch
+)
+
+
+class _SourceFeed:
+    """One publisher's sockets and tracker, driven by three tasks in one Trio run."""
+
+    def __init__(
+        self,
+        source: EventSource,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        topic: bytes,
+        tracker: SeqTracker,
+        out: trio.MemorySendChannel[SubscriberItem],
+    ) -> None:
+        self.source = source
+        self.label = source.label
+        self.tracker = tracker
+        self._out = out
+        self._topic = topic
+        self._ctx = ctx
+        self._deadline_changed = trio.Event()
+        self._lock = trio.Lock()
+        self.sub = self._open_sub()
+        self.dealer: TrioSocket | None = None
+        if source.replay_endpoint is not None:
+            self.dealer = open_socket(ctx, zmq.DEALER)
+            self.dealer.sock.setsockopt(zmq.RCVHWM, 0)
+            self.dealer.sock.connect(source.replay_endpoint)
+
+    def _open_sub(self) -> TrioSocket:
+        sub = open_socket(self._ctx, zmq.SUB)
+        sub.sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+        if self.source.bind:
+            sub.sock.bind(self.source.endpoint)
+        else:
+            sub.sock.connect(self.source.endpoint)
+        return sub
+
+    def close(self) -> None:
+        self.sub.close()
+        if self.dealer is not None:
+            self.dealer.close()
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._live_loop)
+            if self.dealer is not None:
+                nursery.start_soon(self._replay_loop, self.dealer)
+            nursery.start_soon(self._timer_loop)
+
+    async def _live_loop(self) -> None:
+        while True:
+            messages = await self.sub.recv_batch(_RECV_BATCH)
+            now = trio.current_time()
+            for frames in messages:
+                try:
+                    message = decode_pub_frames(frames)
+                except WireError as exc:
+                    log.warning("malformed KV event message from %s ignored: %s", self.label, exc)
+                    continue
+                self.tracker.live(message.seq, message.payload, now)
+            await self._apply()
+
+    async def _replay_loop(self, dealer: TrioSocket) -> None:
+        while True:
+            messages = await dealer.recv_batch(_RECV_BATCH)
+            now = trio.current_time()
+            for frames in messages:
+                try:
+                    reply = decode_replay_reply(frames)
+                except WireError as exc:
+                    log.warning("malformed KV event replay from %s ignored: %s", self.label, exc)
+                    continue
+                if reply.is_end:
+                    self.tracker.replay_end(now)
+                else:
+                    self.tracker.replayed(reply.seq, reply.payload, now)
+            await self._apply()
+
+    async def _timer_loop(self) -> None:
+        while True:
+            deadline = self.tracker.next_deadline()
+            self._deadline_changed = trio.Event()
+            with trio.move_on_at(deadline if deadline is not None else math.inf):
+                await self._deadline_changed.wait()
+            self.tracker.handle_timeout(trio.current_time())
+            await self._apply()
+
+    async def _apply(self) -> None:
+        """Carry out the tracker's commands.
+
+        Three tasks feed the tracker; the lock keeps "drain, then send everything
+        drained" atomic, so items leave in the tracker's order even while a send
+        waits for the consumer.
+        """
+        async with self._lock:
+            before = self.tracker.next_deadline()
+            for command in self.tracker.drain_commands():
+                await self._carry_out(command)
+            if self.tracker.next_deadline() != before:
+                self._deadline_changed.set()
+
+    async def _carry_out(self, command: TrackerCommand) -> None:
+        label = self.label
+        match command:
+            case Deliver(seq=seq, payload=payload, replayed=replayed):
+                try:
+                    batch = decode_batch(payload)
+                except WireError as exc:
+                    log.warning("KV event batch %d from %s is malformed: %s", seq, label, exc)
+                    await self._out.send(UndecodableBatch(label, seq, str(exc)))
+                else:
+                    await self._out.send(ReceivedBatch(label, seq, batch, replayed))
+            case RequestReplay(start_seq=start, attempt=attempt):
+                assert self.dealer is not None
+                await self.dealer.send_multipart(encode_replay_request(start))
+                await self._out.send(ReplayRequested(label, start, attempt))
+            case GapUnhealable(first_missing=first, resumed_at=resumed, reason=reason):
+                log.warning(
+                    "KV events %d..%d from %s are lost (%s); the view of this publisher is "
+                    "incomplete",
+                    first,
+                    resumed - 1,
+                    label,
+                    reason,
+                )
+                await self._out.send(BatchesLost(label, first, resumed, reason))
+            case _Restarted(last_seq=last, new_seq=new):
+                log.warning(
+                    "KV event publisher %s restarted (sequence %d after %d); drop its state",
+                    label,
+                    new,
+                    last,
+                )
+                await self._out.send(PublisherRestarted(label, last, new))
+
+    def disconnect(self) -> None:
+        self.sub.sock.disconnect(self.source.endpoint)
+
+    def connect(self) -> None:
+        self.sub.sock.connect(self.source.endpoint)
+
+
+@final
+class KVEventSubscriber:
+    """Batches and stream events from every source, as an async iterator.
+
+    Create it with :func:`open_kv_subscriber`. Iteration ends when the subscriber
+    closes.
+    """
+
+    def __init__(
+        self,
+        feeds: dict[str, _SourceFeed],
+        receive: trio.MemoryReceiveChannel[SubscriberItem],
+    ) -> None:
+        self._feeds = feeds
+        self._receive = receive
+
+    def __aiter__(self) -> AsyncIterator[SubscriberItem]:
+        return self
+
+    async def __anext__(self) -> SubscriberItem:
+        try:
+            return await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise StopAsyncIteration from None
+
+    async def receive(self) -> SubscriberItem:
+        """The next item; raises :class:`trio.EndOfChannel` once closed."""
+        return await self._receive.receive()
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The labels of the followed publishers."""
+        return tuple(self._feeds)
+
+    def statistics(self) -> dict[str, TrackerStats]:
+        """Per-source counters: delivered, replayed, duplicates, gaps, lost, restarts."""
+        return {label: feed.tracker.statistics() for label, feed in self._feeds.items()}
+
+    def disconnect(self, source: str) -> None:
+        """Drop the live connection to ``source`` (a connected source only).
+
+        For operators' tools and tests: batches published meanwhile are missed, and
+        after :meth:`connect` the gap is healed by replay like any other.
+        """
+        feed = self._feed(source)
+        if feed.source.bind:
+            raise ValueError(f"source {source!r} is bound, not connected; it cannot disconnect")
+        feed.disconnect()
+
+    def connect(self, source: str) -> None:
+        """Re-establish the live connection dropped by :meth:`disconnect`."""
+        self._feed(source).connect()
+
+    def _feed(self, source: str) -> _SourceFeed:
+        try:
+            return self._feeds[source]
+        except KeyError:
+            raise ValueError(
+                f"unknown KV event source {source!r}; known: {', '.join(self._feeds)}"
+            ) from None
+
+
+@asynccontextmanager
+async def open_kv_subscriber(
+    sources: Sequence[EventSource],
+    *,
+    topic: str = "",
+    catch_up: bool = False,
+    replay_timeout: float = 5.0,
+    max_buffered: int = 1024,
+    ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+) -> AsyncIterator[KVEventSubscriber]:
+    """Follow ``sources`` until the block exits.
+
+    ``topic`` is the subscription prefix. ``catch_up`` replays each publisher's
+    buffer from 0 when the first batch seen is not 0 (a late joiner rebuilding its
+    view); without it, delivery starts at the first live batch. ``max_buffered``
+    items wait for the consumer before the sockets stop being read (then libzmq's
+    high-water marks drop live batches, and the gaps are healed by replay).
+    """
+    if not sources:
+        raise ValueError("open_kv_subscriber needs at least one EventSource")
+    labels = [s.label for s in sources]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"KV event sources need distinct names, got {labels}")
+    context = ctx if ctx is not None else zmq.Context.instance()
+    send, receive = trio.open_memory_channel[SubscriberItem](max_buffered)
+    feeds: dict[str, _SourceFeed] = {}
+    try:
+        for source in sources:
+            tracker = SeqTracker(
+                replay=source.replay_endpoint is not None,
+                catch_up=catch_up,
+                replay_timeout=replay_timeout,
+            )
+            feeds[source.label] = _SourceFeed(source, context, topic.encode(), tracker, send)
+        subscriber = KVEventSubscriber(feeds, receive)
+        async with trio.open_nursery() as nursery:
+            for feed in feeds.values():
+                nursery.start_soon(feed.run)
+            try:
+                yield subscriber
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        for feed in feeds.values():
+            feed.close()
+        send.close()
+        receive.close()
