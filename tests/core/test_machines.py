@@ -194,3 +194,29 @@ def test_declaration_renders_as_a_mermaid_diagram_with_every_edge(
         )
         assert line is not None, (source, dest)
         assert trigger in line.split(":", 1)[1].replace(" ", "").split("|")
+
+
+def test_committed_state_diagrams_are_current() -> None:
+    from pathlib import Path
+
+    from tspd.cli.diagrams import DEFAULT_DIR, stale
+
+    root = Path(__file__).resolve().parents[2]
+    assert stale(root / DEFAULT_DIR) == [], "run `tspd diagrams` and commit docs/state-machines"
+
+
+def test_a_stale_diagram_is_reported(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from tspd.cli import main
+
+    directory = Path(str(tmp_path))
+    runner = CliRunner()
+    assert runner.invoke(main, ["diagrams", "--dir", str(directory)]).exit_code == 0
+    assert runner.invoke(main, ["diagrams", "--dir", str(directory), "--check"]).exit_code == 0
+    (directory / "PrefillRoom.mmd").write_text("stateDiagram-v2\n", encoding="utf-8")
+    result = runner.invoke(main, ["diagrams", "--dir", str(directory), "--check"])
+    assert result.exit_code != 0
+    assert "PrefillRoom.mmd" in result.output
