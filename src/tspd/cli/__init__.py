@@ -16,8 +16,6 @@ _COMMANDS: dict[str, str] = {
     "wire": "tspd.cli.wire:wire",
     "bench": "tspd.cli.bench:bench",
     "diagrams": "tspd.cli.diagrams:diagrams",
-    "demo": "tspd.cli.demo:demo",
-    "bootstrap-server": "tspd.cli.demo:bootstrap_server",
 }
 
 
