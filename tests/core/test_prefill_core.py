@@ -551,6 +551,10 @@ def test_caller_errors_raise(pair: CorePair) -> None:
         core.register_request("x", -1, 0.0)
     with pytest.raises(PlanError, match="Cache-transfer bootstrap token is unavailable"):
         core.hand_over(1, {}, -1, (), 0.0)
+    with pytest.raises(PlanError, match="must be int32 token ids"):
+        core.hand_over(1, {}, 1, (2**31,), 0.0)
+    with pytest.raises(PlanError, match="token is unavailable"):
+        core.hand_over(1, {}, 2**63, (), 0.0)
     with pytest.raises(ProtocolError, match="destination metadata is unavailable"):
         core.hand_over(1, {}, 1, (), 0.0)
     with pytest.raises(ProtocolError, match="2 values for 1 tracked"):
@@ -635,10 +639,24 @@ def test_arm_layerwise_refuses_the_whole_forward_on_a_bad_row() -> None:
         pair.close()
 
 
-def test_late_token_for_an_ended_room_is_dropped_with_a_warning(pair: CorePair) -> None:
+def test_late_token_for_an_ended_room_is_dropped(pair: CorePair) -> None:
     core = pair.prefill[0]
     core.hand_over(77, {}, 5, (), pair.now)
     logs = core.drain_commands()
     assert len(logs) == 1
-    assert logs[0].level is LogLevel.WARNING  # type: ignore[union-attr]
+    assert logs[0].level is LogLevel.DEBUG  # type: ignore[union-attr]
     assert "Dropping late prefill metadata for expired bootstrap_room=77" in logs[0].message  # type: ignore[union-attr]
+
+
+def test_late_token_for_an_ended_layerwise_room_warns() -> None:
+    contracts = [multi_layer_contract(layers=1, num_pages=8, heads=2, head_dim=4)]
+    schedule = ProducerSchedule.from_contract(contracts[0], 1)
+    pair = CorePair(contracts, contracts, layerwise=schedule)
+    try:
+        core = pair.prefill[0]
+        core.hand_over(77, {}, 5, (), pair.now)
+        (log,) = core.drain_commands()
+        assert log.level is LogLevel.WARNING  # type: ignore[union-attr]
+        assert log.message == "Dropping late prefill metadata for expired bootstrap_room=77"  # type: ignore[union-attr]
+    finally:
+        pair.close()

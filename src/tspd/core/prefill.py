@@ -95,6 +95,8 @@ _KIND = "CachePD request kind disagrees with its registration"
 _DUPLICATE = "duplicate CachePD pre-allocation for Decode session"
 _FANOUT = "pre-allocation exceeds destination fanout"
 _TOKEN_UNAVAILABLE = "Cache-transfer bootstrap token is unavailable"
+_MAX_TOKEN = 2**63 - 1
+_MIN_INT32, _MAX_INT32 = -(2**31), 2**31 - 1
 _TIMEOUT_WARNING = (
     "Some requests timed out when bootstrapping: the decode instance never sent their "
     "cache manifest. Raise TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT if a longer TTFT "
@@ -671,7 +673,7 @@ class PrefillCore:
         if self._rooms.ended(room):
             return
         usage = self._per_room.usage.setdefault(room, _Usage())
-        usage.cached_tokens = max(0, cached_tokens)
+        usage.cached_tokens = min(max(0, cached_tokens), wire.MAX_ROOM)
         if bootstrap_logprob is not None:
             usage.bootstrap_logprob = bootstrap_logprob
 
@@ -696,14 +698,21 @@ class PrefillCore:
         ignored. Raises only for caller errors: a negative token, or a room still
         waiting for pre-allocations.
         """
-        if bootstrap_token < 0:
+        if not 0 <= bootstrap_token <= _MAX_TOKEN:
             raise PlanError(_TOKEN_UNAVAILABLE)
-        metadata = _Metadata(bootstrap_token, tuple(spec_candidate_ids))
+        candidates = tuple(spec_candidate_ids)
+        if any(not _MIN_INT32 <= c <= _MAX_INT32 for c in candidates):
+            raise PlanError(
+                f"speculative candidate ids of room {room} must be int32 token ids, "
+                f"got {list(candidates)}"
+            )
+        metadata = _Metadata(bootstrap_token, candidates)
         if self._rooms.ended(room):
+            # Layerwise: the token is published to the room (spec §7.9.7); a full
+            # transfer of a room that already failed or ended simply has no work.
+            level = LogLevel.WARNING if self.config.layerwise is not None else LogLevel.DEBUG
             self._log(
-                LogLevel.WARNING,
-                f"Dropping late prefill metadata for expired bootstrap_room={room}",
-                room,
+                level, f"Dropping late prefill metadata for expired bootstrap_room={room}", room
             )
             return
         state = self._rooms.state(room)
