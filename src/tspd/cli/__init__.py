@@ -15,6 +15,8 @@ import click
 _COMMANDS: dict[str, str] = {
     "wire": "tspd.cli.wire:wire",
     "bench": "tspd.cli.bench:bench",
+    "demo": "tspd.cli.demo:demo",
+    "bootstrap-server": "tspd.cli.demo:bootstrap_server",
     "diagrams": "tspd.cli.diagrams:diagrams",
 }
 

@@ -38,6 +38,7 @@ from tspd.core.manifest import BlockManifest, logical_slots
 __all__ = [
     "BlockMismatch",
     "HostArena",
+    "clear_room",
     "field_shard",
     "fill_room",
     "iter_room_blocks",
@@ -234,6 +235,14 @@ def fill_room(
         arena.view(offset, len(data))[:] = np.frombuffer(data, dtype=np.uint8)
         written += len(data)
     return written
+
+
+def clear_room(arena: HostArena, contract: CacheContract, manifest: BlockManifest) -> None:
+    """Zero every field payload of ``manifest``'s blocks (a Decode rank clears the
+    pages it hands out before publishing their manifest, so stale bytes of an
+    earlier room can never pass for a transfer)."""
+    for _, field, _, block_id in iter_room_blocks(contract, manifest):
+        arena.view(contract.page_offset(field, block_id), field.payload_bytes)[:] = 0
 
 
 def verify_room(

@@ -108,6 +108,7 @@ class DecodePeer:
         self._client = client
         self._timer = DeadlineTimer(core.next_deadline, self._on_timeout)
         self._nursery: trio.Nursery | None = None
+        self._activity = trio.Event()
         self.heartbeats = 0
 
     @property
@@ -117,7 +118,9 @@ class DecodePeer:
 
     # -- command execution -------------------------------------------------------
 
-    def _pump(self) -> None:
+    def _pump(self, *, activity: bool = False) -> None:
+        if activity:
+            self._activity.set()
         for command in self.core.drain_commands():
             self._execute(command)
         self._timer.poke()
@@ -151,7 +154,7 @@ class DecodePeer:
             self.core.parallel_info(addr, str(err), trio.current_time())
         else:
             self.core.parallel_info(addr, info, trio.current_time())
-        self._pump()
+        self._pump(activity=True)
 
     async def _fetch_rank_info(self, command: FetchRankInfo) -> None:
         addr, rank, dp = command.bootstrap_addr, command.engine_rank, command.dp_group
@@ -161,11 +164,11 @@ class DecodePeer:
             self.core.rank_info(addr, dp, rank, str(err), trio.current_time())
         else:
             self.core.rank_info(addr, dp, rank, info, trio.current_time())
-        self._pump()
+        self._pump(activity=True)
 
     def _on_timeout(self, now: float) -> None:
         self.core.handle_timeout(now)
-        self._pump()
+        self._pump(activity=True)
 
     # -- scheduler-side API -------------------------------------------------------
 
@@ -203,6 +206,14 @@ class DecodePeer:
         self._pump()
         return events
 
+    async def wait_for_activity(self) -> None:
+        """Return once something arrived from outside the scheduler since the last
+        call — a peer's message, a transfer outcome, a lookup, a timer — so a
+        scheduler loop can sleep between polls instead of spinning. Bound the wait
+        (``trio.move_on_after``): polls also see time passing."""
+        await self._activity.wait()
+        self._activity = trio.Event()
+
     def has_in_flight(self) -> bool:
         """Whether any request is tracked."""
         return self.core.has_in_flight()
@@ -234,7 +245,7 @@ class DecodePeer:
             now = trio.current_time()
             for frames in messages:
                 self.core.receive_status(frames, now)
-            self._pump()
+            self._pump(activity=True)
 
     async def _heartbeat(
         self, interval: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -253,7 +264,7 @@ class DecodePeer:
             for addr in addrs:
                 self.core.heartbeat(addr, results.get(addr, False), now)
             self.heartbeats += 1
-            self._pump()
+            self._pump(activity=True)
 
     async def _beat(self, addr: str, results: dict[str, bool]) -> None:
         results[addr] = await self._client.health(addr)

@@ -164,6 +164,7 @@ class PrefillPeer:
         self._memory_registered = False
         self._portal: LoopPortal | None = None
         self._outbox: PrefillOutbox | None = None
+        self._activity = trio.Event()
 
     @property
     def session_id(self) -> str:
@@ -172,8 +173,11 @@ class PrefillPeer:
 
     # -- command execution -------------------------------------------------------
 
-    def _pump(self) -> None:
-        """Execute, in order, every command the core queued."""
+    def _pump(self, *, activity: bool = False) -> None:
+        """Execute, in order, every command the core queued; ``activity`` marks input
+        from outside the scheduler (a message, a transfer outcome, a timer)."""
+        if activity:
+            self._activity.set()
         for command in self.core.drain_commands():
             self._execute(command)
         self._timer.poke()
@@ -193,7 +197,7 @@ class PrefillPeer:
 
     def _on_timeout(self, now: float) -> None:
         self.core.handle_timeout(now)
-        self._pump()
+        self._pump(activity=True)
 
     # -- transfer feedback (tspd.shell.transfers.TransferFeedback) ----------------
 
@@ -201,12 +205,12 @@ class PrefillPeer:
         """A worker wrote every interval of ``chunk`` (only a final chunk reports)."""
         if chunk.final:
             self.core.transfer_succeeded(chunk.room, trio.current_time())
-            self._pump()
+            self._pump(activity=True)
 
     def chunk_failed(self, chunk: StartTransfer, session_id: str | None, reason: str) -> None:
         """A worker stopped ``chunk``; the core fails the room (first failure wins)."""
         self.core.transfer_failed(chunk.room, session_id, reason, trio.current_time())
-        self._pump()
+        self._pump(activity=True)
 
     def wait_should_stop(self, chunk: StartTransfer) -> str | None:
         """A layerwise wait re-checks its room and destinations every ~100 ms."""
@@ -243,6 +247,14 @@ class PrefillPeer:
                 self._rooms_by_rid.pop(event.rid, None)
         self._pump()
         return events
+
+    async def wait_for_activity(self) -> None:
+        """Return once something arrived from outside the scheduler since the last
+        call — a peer's message, a transfer outcome, a lookup, a timer — so a
+        scheduler loop can sleep between polls instead of spinning. Bound the wait
+        (``trio.move_on_after``): polls also see time passing."""
+        await self._activity.wait()
+        self._activity = trio.Event()
 
     def abort(self, room: int, reason: str) -> None:
         """Fail ``room`` with ``reason``, notifying every destination (spec §7.9.1)."""
@@ -350,7 +362,7 @@ class PrefillPeer:
             now = trio.current_time()
             for frames in messages:
                 self.core.receive_control(frames, now)
-            self._pump()
+            self._pump(activity=True)
 
     async def _register_with_bootstrap(
         self, client: BootstrapClient, settings: PrefillSettings

@@ -1,0 +1,300 @@
+"""``tspd demo`` and ``tspd bootstrap-server``: the PD control plane, for real, on loopback.
+
+``tspd demo`` starts a bootstrap server, a Prefill instance (TP 2 by default) and
+Decode ranks of another TP size, each its own process on 127.0.0.1, serves a
+stream of rooms with real KV bytes moved by Mooncake over TCP, verifies every
+byte on the Decode side and prints a summary. It exits non-zero if any room
+failed or any byte differed.
+
+Each role also runs alone, so either side can face a peer of another
+implementation (the bytes follow the spec §15 interop pattern):
+
+    tspd bootstrap-server --port 8998
+    tspd demo prefill --rank 0 --tp 1 --bootstrap 127.0.0.1:8998 --rooms 1000:1100
+    tspd demo decode  --rank 0 --tp 1 --bootstrap 127.0.0.1:8998 --rooms 1000:1100
+
+Roles print their endpoints and progress as JSON lines on stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+import trio
+
+from tspd.core.errors import TspdError
+from tspd.demo.orchestrate import DemoOptions, DemoSummary, percentile, run_demo
+from tspd.demo.report import Reporter
+from tspd.demo.roles import RoleOptions, run_decode_rank, run_prefill_rank
+from tspd.demo.workload import Workload, parse_rooms
+
+__all__ = ["bootstrap_server", "demo"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_ROOMS = "1000000:1000300"
+
+
+def _rooms(ctx: click.Context, param: click.Parameter, value: str) -> range:
+    try:
+        return parse_rooms(value)
+    except TspdError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+def _workload_options(fn: F) -> F:
+    options = [
+        click.option(
+            "--rooms",
+            default=DEFAULT_ROOMS,
+            show_default=True,
+            callback=_rooms,
+            help="Rooms A:B (A..B-1), served in order.",
+        ),
+        click.option(
+            "--seed", default=0, show_default=True, help="Interop pattern seed (spec §15)."
+        ),
+        click.option(
+            "--host",
+            default="127.0.0.1",
+            show_default=True,
+            help="Address every socket binds to and advertises.",
+        ),
+        click.option(
+            "--contract",
+            "contract_file",
+            type=click.Path(exists=True, dir_okay=False),
+            default=None,
+            help="A cache transfer contract JSON file for this rank.",
+        ),
+        click.option("--layers", default=2, show_default=True),
+        click.option("--heads", default=4, show_default=True, help="Global KV heads."),
+        click.option("--head-dim", default=64, show_default=True),
+        click.option("--page-tokens", default=16, show_default=True),
+        click.option("--pages", default=2048, show_default=True, help="Pages in each arena."),
+        click.option("--max-prompt-pages", default=8, show_default=True),
+        click.option(
+            "--fixed-prompt-pages",
+            default=None,
+            type=int,
+            help="Give every room exactly this many pages.",
+        ),
+        click.option("--in-flight", default=16, show_default=True),
+        click.option("--layerwise", is_flag=True, help="Stream KV layer by layer."),
+        click.option("--scatter", is_flag=True, help="Allocate pages scattered, not contiguous."),
+        click.option("--bootstrap-timeout", default=30.0, show_default=True),
+        click.option("--waiting-timeout", default=60.0, show_default=True),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _workload(kw: dict[str, Any]) -> Workload:
+    return Workload(
+        rooms=kw["rooms"],
+        seed=kw["seed"],
+        layers=kw["layers"],
+        global_heads=kw["heads"],
+        head_dim=kw["head_dim"],
+        page_tokens=kw["page_tokens"],
+        num_pages=kw["pages"],
+        max_prompt_pages=kw["max_prompt_pages"],
+        fixed_prompt_pages=kw["fixed_prompt_pages"],
+        contract_file=kw["contract_file"],
+    )
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+
+@click.group(invoke_without_command=True)
+@_workload_options
+@click.option("--prefill-tp", default=2, show_default=True)
+@click.option("--decode-tp", default=1, show_default=True)
+@click.option("--timeout", default=180.0, show_default=True, help="Give up after this long (s).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.pass_context
+def demo(
+    ctx: click.Context, /, prefill_tp: int, decode_tp: int, timeout: float, as_json: bool, **kw: Any
+) -> None:
+    """Run a bootstrap server, a Prefill group and a Decode group on this host and
+    serve a stream of rooms with verified KV bytes (see ``tspd demo --help``)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    _logging(False)
+    options = DemoOptions(
+        workload=_workload(kw),
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        host=kw["host"],
+        in_flight=kw["in_flight"],
+        layerwise=kw["layerwise"],
+        scatter=kw["scatter"],
+        timeout=timeout,
+        bootstrap_timeout=kw["bootstrap_timeout"],
+        waiting_timeout=kw["waiting_timeout"],
+    )
+    summary = _run_with_progress(options, quiet=as_json)
+    if as_json:
+        click.echo(json.dumps(summary.as_dict(), indent=2))
+    else:
+        _print_summary(options, summary)
+    ctx.exit(0 if summary.ok else 1)
+
+
+def _run_with_progress(options: DemoOptions, *, quiet: bool) -> DemoSummary:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True, quiet=quiet)
+    with Progress(
+        TextColumn("[bold]rooms"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("[green]{task.fields[ok]} ok [red]{task.fields[bad]} failed"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        task = progress.add_task("rooms", total=len(options.workload.rooms), ok=0, bad=0)
+        counts = {"ok": 0, "bad": 0}
+
+        def on_room(room: int, ok: bool) -> None:
+            counts["ok" if ok else "bad"] += 1
+            progress.update(task, advance=1, ok=counts["ok"], bad=counts["bad"])
+
+        return trio.run(lambda: run_demo(options, on_room=on_room))
+
+
+def _ms(seconds: float) -> str:
+    return "n/a" if math.isnan(seconds) else f"{seconds * 1e3:.2f} ms"
+
+
+def _print_summary(options: DemoOptions, summary: DemoSummary) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=(
+            f"tspd demo: Prefill TP{options.prefill_tp} → Decode TP{options.decode_tp}, "
+            f"{'layerwise' if options.layerwise else 'full'} transfers, "
+            f"Mooncake TCP on {options.host}"
+        )
+    )
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("rooms succeeded", f"{summary.succeeded} / {summary.rooms}")
+    table.add_row("rooms failed", str(summary.failed))
+    table.add_row("rooms/s", f"{summary.rooms_per_s:.1f}")
+    table.add_row("room latency p50 (register → done)", _ms(percentile(summary.latencies, 0.5)))
+    table.add_row("room latency p99", _ms(percentile(summary.latencies, 0.99)))
+    table.add_row("hand-over → Decode done p50", _ms(percentile(summary.handover_latencies, 0.5)))
+    table.add_row("hand-over → Decode done p99", _ms(percentile(summary.handover_latencies, 0.99)))
+    table.add_row("KV verified", f"{summary.bytes_verified / 1e6:.1f} MB")
+    table.add_row("GB/s (verified bytes / serving time)", f"{summary.gbps:.3f}")
+    for role in sorted(summary.cpu):
+        table.add_row(f"CPU per room, {role}", _ms(summary.cpu_per_room(role)))
+    console = Console()
+    console.print(table)
+    for room, reason in list(summary.reasons.items())[:10]:
+        console.print(f"[red]room {room} failed:[/red] {reason}")
+    for error in summary.errors:
+        console.print(f"[red]error:[/red] {error}")
+    console.print("[green]all rooms verified[/green]" if summary.ok else "[red]demo FAILED[/red]")
+
+
+def _role_command(role: str) -> click.Command:
+    runner = run_prefill_rank if role == "prefill" else run_decode_rank
+
+    @click.command(name=role)
+    @_workload_options
+    @click.option("--rank", default=0, show_default=True, help="This rank's TP rank.")
+    @click.option("--tp", default=1, show_default=True, help="This side's TP size.")
+    @click.option(
+        "--bootstrap",
+        default="127.0.0.1:8998",
+        show_default=True,
+        help="The Prefill instance's bootstrap server, host:port.",
+    )
+    @click.option("--agree", default="", help="Comma-separated agreement endpoints of every rank.")
+    @click.option("--workers", default=2, show_default=True, help="Transfer workers (Prefill).")
+    @click.option("--heartbeat-interval", default=1.0, show_default=True)
+    @click.option(
+        "--never-preallocate",
+        is_flag=True,
+        hidden=True,
+        help="Decode: register but never pre-allocate (failure-path tests).",
+    )
+    @click.option("-v", "--verbose", is_flag=True, help="Log at INFO on stderr.")
+    def command(
+        rank: int,
+        tp: int,
+        bootstrap: str,
+        agree: str,
+        workers: int,
+        heartbeat_interval: float,
+        never_preallocate: bool,
+        verbose: bool,
+        **kw: Any,
+    ) -> None:
+        _logging(verbose)
+        options = RoleOptions(
+            workload=_workload(kw),
+            rank=rank,
+            tp=tp,
+            host=kw["host"],
+            bootstrap=bootstrap,
+            agree=tuple(a for a in agree.split(",") if a),
+            in_flight=kw["in_flight"],
+            layerwise=kw["layerwise"],
+            scatter=kw["scatter"],
+            workers=workers,
+            bootstrap_timeout=kw["bootstrap_timeout"],
+            waiting_timeout=kw["waiting_timeout"],
+            heartbeat_interval=heartbeat_interval,
+            never_preallocate=never_preallocate,
+        )
+        reporter = Reporter(role, rank)
+        try:
+            failed = trio.run(runner, options, reporter)
+        except TspdError as err:
+            raise click.ClickException(str(err)) from None
+        sys.exit(1 if failed else 0)
+
+    command.help = f"Run one {role.capitalize()} rank of the demo in this process."
+    return command
+
+
+demo.add_command(_role_command("prefill"))
+demo.add_command(_role_command("decode"))
+
+
+@click.command(name="bootstrap-server")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8998, show_default=True)
+def bootstrap_server(host: str, port: int) -> None:
+    """Serve the bootstrap rendezvous (spec §2) until interrupted."""
+    from tspd.shell.bootstrap import open_bootstrap_server
+
+    async def serve() -> None:
+        async with open_bootstrap_server(host, port) as server:
+            Reporter("bootstrap", 0).emit("ready", address=server.address)
+            click.echo(f"bootstrap server listening on http://{server.address}", err=True)
+            await trio.sleep_forever()
+
+    _logging(False)
+    with contextlib.suppress(KeyboardInterrupt):
+        trio.run(serve)

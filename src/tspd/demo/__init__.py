@@ -1,0 +1,1 @@
+"""The ``tspd demo`` roles: workload, role runners, reports and the orchestrator."""

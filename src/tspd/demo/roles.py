@@ -1,0 +1,389 @@
+"""The demo's Prefill and Decode ranks: a peer plus a small stand-in scheduler each.
+
+:func:`run_prefill_rank` and :func:`run_decode_rank` each run one rank in the
+current process on the real Mooncake engine (TCP on the given host, P2P
+handshake), with a host-memory arena, and serve the workload's rooms the way an
+inference engine would drive the peer:
+
+* **Prefill**: register each room's request (up to ``in_flight`` at a time), poll;
+  on ``Bootstrapped`` allocate pages, "run the forward" — write the §15 pattern
+  into them (layerwise: one producer step at a time, advancing the step counter,
+  with chunks armed before) — and hand the remote decode over with the room's
+  bootstrap token; on ``Succeeded``/``Failed`` free the pages and report.
+* **Decode**: register each request with its bootstrap address, poll; on
+  ``Bootstrapped`` allocate and zero pages and pre-allocate them; on
+  ``RemotePrefillDone`` verify every byte and the token and candidates against the
+  pattern, free the pages and report.
+
+Progress goes out as JSON lines (:class:`~tspd.demo.report.Reporter`). A rank of a
+TP group larger than one agrees with the others over ZMQ
+(:class:`~tspd.shell.agreement.ZmqAgreement`; ``agree`` lists every rank's
+endpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from tspd.core.commands import Bootstrapped, Failed, RemotePrefillDone, Succeeded
+from tspd.core.contract import CacheContract
+from tspd.core.decode import DecodeConfig
+from tspd.core.errors import ConfigError, TspdError
+from tspd.core.interop import bootstrap_token_and_candidates
+from tspd.core.manifest import BlockManifest, build_manifest
+from tspd.core.prefill import ExtendRow, PrefillConfig
+from tspd.core.schedule import ProducerSchedule
+from tspd.demo.report import Reporter
+from tspd.demo.workload import Workload
+from tspd.engines.mooncake import MooncakeEngine
+from tspd.shell.agreement import ReplicaAgreement, SingleRank, ZmqAgreement
+from tspd.shell.arena import HostArena, clear_room, fill_room, verify_room
+from tspd.shell.decode import DecodeSettings, open_decode_peer
+from tspd.shell.offload import EngineRunner
+from tspd.shell.prefill import PrefillPeer, PrefillSettings, RemoteDecodeRow, open_prefill_peer
+from tspd.shell.steps import StepCounter
+from tspd.testing.layouts import PageAllocator
+
+__all__ = ["RoleOptions", "run_decode_rank", "run_prefill_rank"]
+
+log = logging.getLogger(__name__)
+
+#: A scheduler loop whose poll brought nothing waits for the peer's next activity,
+#: at most this long (an engine polls once per iteration, every few ms).
+_IDLE_MAX = 0.002
+
+
+@dataclass(frozen=True, slots=True)
+class RoleOptions:
+    """One demo rank's settings (both roles; each ignores what is not its own)."""
+
+    workload: Workload
+    rank: int = 0
+    tp: int = 1
+    host: str = "127.0.0.1"
+    bootstrap: str = "127.0.0.1:8998"
+    agree: tuple[str, ...] = ()
+    in_flight: int = 32
+    layerwise: bool = False
+    scatter: bool = False
+    workers: int = 2
+    bootstrap_timeout: float = 30.0
+    waiting_timeout: float = 60.0
+    failed_session_ttl: float = 30.0
+    heartbeat_interval: float = 1.0
+    heartbeat_max_failures: int = 2
+    never_preallocate: bool = False
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@asynccontextmanager
+async def _agreement(opts: RoleOptions) -> AsyncIterator[ReplicaAgreement]:
+    if opts.tp == 1:
+        yield SingleRank()
+        return
+    if len(opts.agree) != opts.tp:
+        raise ConfigError(
+            f"a rank of a TP group of {opts.tp} needs {opts.tp} agreement endpoints "
+            f"(--agree), got {len(opts.agree)}"
+        )
+    async with ZmqAgreement(opts.rank, opts.agree, timeout=max(30.0, opts.waiting_timeout)) as a:
+        yield a
+
+
+def _check_capacity(opts: RoleOptions, contract: CacheContract) -> None:
+    grain = min(spec.block_granularity for spec in contract.group_specs)
+    most = max(opts.workload.prompt_len(room, contract) for room in opts.workload.rooms[:4096])
+    need = opts.in_flight * -(-most // grain)
+    if need > opts.workload.num_pages and opts.workload.contract_file is None:
+        raise ConfigError(
+            f"{opts.in_flight} rooms in flight of up to {most} tokens need {need} pages; "
+            f"the arena has {opts.workload.num_pages}: lower --in-flight or raise --pages"
+        )
+
+
+def _engine(host: str) -> EngineRunner:
+    return EngineRunner(MooncakeEngine(host), limiter=trio.CapacityLimiter(1))
+
+
+async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
+    """Serve the workload as one Prefill rank; returns how many rooms failed."""
+    workload = opts.workload
+    contract = workload.contract(opts.tp)
+    _check_capacity(opts, contract)
+    schedule = ProducerSchedule.from_contract(contract, workload.layers) if opts.layerwise else None
+    config = PrefillConfig(
+        tp_size=opts.tp,
+        tp_rank=opts.rank,
+        contract=contract,
+        arena_base=1,
+        transfer_workers=opts.workers,
+        bootstrap_timeout=opts.bootstrap_timeout,
+        failed_session_ttl=opts.failed_session_ttl,
+        layerwise=schedule,
+    )
+    settings = PrefillSettings(
+        host=opts.host,
+        bootstrap_addr=opts.bootstrap,
+        world_size=opts.tp,
+        engine_rank=opts.rank,
+    )
+    pages = PageAllocator(contract, contiguous=not opts.scatter)
+    counter = StepCounter() if schedule is not None else None
+    engine = _engine(opts.host)
+    failed = 0
+    with HostArena.for_contract(contract) as arena, contextlib.closing(engine):
+        async with (
+            _agreement(opts) as agreement,
+            open_prefill_peer(
+                config, engine, arena, settings=settings, agreement=agreement, step_counter=counter
+            ) as peer,
+        ):
+            reporter.emit(
+                "ready",
+                control=f"tcp://{opts.host}:{peer.control_port}",
+                session=engine.session_id,
+                registered=peer.registered_with_bootstrap,
+                pid=os.getpid(),
+            )
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            pending = deque(workload.rooms)
+            live: dict[str, int] = {}
+            tables: dict[str, dict[str, list[int]]] = {}
+            while pending or live:
+                while pending and len(live) < opts.in_flight:
+                    room = pending.popleft()
+                    live[workload.rid(room)] = room
+                    peer.register_request(workload.rid(room), room)
+                events = await peer.poll()
+                ready: list[str] = []
+                for event in events:
+                    if isinstance(event, Bootstrapped):
+                        ready.append(event.rid)
+                    elif isinstance(event, Succeeded | Failed):
+                        room = live.pop(event.rid)
+                        if event.rid in tables:
+                            pages.release(tables.pop(event.rid))
+                        ok = isinstance(event, Succeeded)
+                        failed += not ok
+                        reporter.emit(
+                            "room",
+                            room=room,
+                            ok=ok,
+                            reason=None if ok else event.reason,  # type: ignore[union-attr]
+                        )
+                if ready:
+                    await _prefill_forward(
+                        peer,
+                        opts,
+                        contract,
+                        schedule,
+                        counter,
+                        pages,
+                        live,
+                        tables,
+                        ready,
+                        reporter,
+                    )
+                if not events:
+                    with trio.move_on_after(_IDLE_MAX):
+                        await peer.wait_for_activity()
+            reporter.emit(
+                "done",
+                cpu=time.process_time() - cpu0,
+                wall=time.monotonic() - wall0,
+                failed=failed,
+                stats=peer.statistics(),
+            )
+    return failed
+
+
+async def _prefill_forward(
+    peer: PrefillPeer,
+    opts: RoleOptions,
+    contract: CacheContract,
+    schedule: ProducerSchedule | None,
+    counter: StepCounter | None,
+    pages: PageAllocator,
+    live: dict[str, int],
+    tables: dict[str, dict[str, list[int]]],
+    rids: Sequence[str],
+    reporter: Reporter,
+) -> None:
+    """Stand in for the forward of the Bootstrapped requests: fill their pages with the
+    pattern (layer by layer when layerwise) and hand the remote decode over."""
+    workload = opts.workload
+    sources: dict[str, BlockManifest] = {}
+    for rid in rids:
+        prompt = workload.prompt_len(live[rid], contract)
+        tables[rid] = pages.allocate(prompt)
+        sources[rid] = build_manifest(contract, tables[rid], 0, prompt)
+
+    def fill(rid: str, fields: frozenset[str] | None = None) -> None:
+        fill_room(
+            peer.arena,
+            contract,
+            sources[rid],
+            seed=workload.seed,
+            room=live[rid],
+            tp_size=opts.tp,
+            tp_rank=opts.rank,
+            fields=fields,
+        )
+
+    if schedule is not None and counter is not None:
+        peer.arm_layerwise(
+            [ExtendRow(rid, 0, sources[rid].prompt_len, tables[rid]) for rid in rids]
+        )
+        for step in schedule.steps:
+            for rid in rids:
+                fill(rid, step)
+            counter.advance()
+            await trio.lowlevel.checkpoint()  # let workers send the interval meanwhile
+    else:
+        for rid in rids:
+            fill(rid)
+    rows = []
+    for rid in rids:
+        token, candidates = bootstrap_token_and_candidates(
+            workload.seed, live[rid], workload.candidates
+        )
+        rows.append(RemoteDecodeRow(rid, tables[rid], token, candidates))
+        reporter.emit("handover", room=live[rid])
+    try:
+        peer.hand_over(rows)
+    except TspdError as err:
+        log.error("hand-over refused: %s", err)
+
+
+async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
+    """Serve the workload as one Decode rank; returns how many rooms failed (a byte
+    or token mismatch counts as a failure)."""
+    workload = opts.workload
+    contract = workload.contract(opts.tp)
+    _check_capacity(opts, contract)
+    config = DecodeConfig(
+        tp_size=opts.tp,
+        tp_rank=opts.rank,
+        contract=contract,
+        arena_base=1,
+        session_id="",
+        endpoint=opts.host,
+        port=1,
+        waiting_timeout=opts.waiting_timeout,
+        heartbeat_max_failures=opts.heartbeat_max_failures,
+    )
+    settings = DecodeSettings(host=opts.host, heartbeat_interval=opts.heartbeat_interval)
+    pages = PageAllocator(contract, contiguous=not opts.scatter)
+    engine = _engine(opts.host)
+    failed = 0
+    with HostArena.for_contract(contract) as arena, contextlib.closing(engine):
+        async with (
+            _agreement(opts) as agreement,
+            open_decode_peer(config, engine, arena, settings=settings, agreement=agreement) as peer,
+        ):
+            reporter.emit(
+                "ready",
+                status=f"tcp://{opts.host}:{peer.status_port}",
+                session=engine.session_id,
+                arena_base=arena.base,
+                pid=os.getpid(),
+            )
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            pending = deque(workload.rooms)
+            live: dict[str, tuple[int, float]] = {}
+            held: dict[str, tuple[dict[str, list[int]], BlockManifest]] = {}
+            while pending or live:
+                while pending and len(live) < opts.in_flight:
+                    room = pending.popleft()
+                    live[workload.rid(room)] = (room, time.monotonic())
+                    peer.register_request(workload.rid(room), room, opts.bootstrap)
+                events = await peer.poll()
+                for event in events:
+                    if isinstance(event, Bootstrapped):
+                        if opts.never_preallocate:
+                            continue
+                        room = live[event.rid][0]
+                        prompt = workload.prompt_len(room, contract)
+                        row = pages.allocate(prompt)
+                        manifest = build_manifest(contract, row, 0, prompt)
+                        clear_room(arena, contract, manifest)
+                        held[event.rid] = (row, manifest)
+                        peer.send_preallocation(room, manifest)
+                        reporter.emit("preallocated", room=room)
+                    elif isinstance(event, RemotePrefillDone | Failed):
+                        seen = time.monotonic()
+                        room, started = live.pop(event.rid)
+                        row_manifest = held.pop(event.rid, None)
+                        ok, reason, nbytes = _finish(
+                            event, room, row_manifest, arena, contract, opts
+                        )
+                        if row_manifest is not None:
+                            pages.release(row_manifest[0])
+                        failed += not ok
+                        reporter.emit(
+                            "room",
+                            room=room,
+                            ok=ok,
+                            reason=reason,
+                            bytes=nbytes,
+                            latency=seen - started,
+                            seen=seen,
+                        )
+                if not events:
+                    with trio.move_on_after(_IDLE_MAX):
+                        await peer.wait_for_activity()
+            reporter.emit(
+                "done",
+                cpu=time.process_time() - cpu0,
+                wall=time.monotonic() - wall0,
+                failed=failed,
+                stats=peer.statistics(),
+            )
+    return failed
+
+
+def _finish(
+    event: RemotePrefillDone | Failed,
+    room: int,
+    held: tuple[dict[str, list[int]], BlockManifest] | None,
+    arena: HostArena,
+    contract: CacheContract,
+    opts: RoleOptions,
+) -> tuple[bool, str | None, int]:
+    """Check a finished room: (ok, reason, bytes verified)."""
+    if isinstance(event, Failed):
+        return False, event.reason, 0
+    if held is None:
+        return False, "RemotePrefillDone for a room this rank never pre-allocated", 0
+    workload = opts.workload
+    manifest = held[1]
+    token, candidates = bootstrap_token_and_candidates(workload.seed, room, workload.candidates)
+    if (event.bootstrap_token, event.spec_candidate_ids) != (token, candidates):
+        return (
+            False,
+            f"bootstrap token/candidates {event.bootstrap_token}/{event.spec_candidate_ids} "
+            f"differ from the pattern's {token}/{candidates}",
+            0,
+        )
+    mismatches = verify_room(
+        arena, contract, manifest, seed=workload.seed, room=room, tp_size=opts.tp, tp_rank=opts.rank
+    )
+    if mismatches:
+        more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
+        return False, f"byte mismatch: {mismatches[0]}{more}", 0
+    nbytes = sum(
+        field.payload_bytes
+        for group in manifest.groups
+        for field in contract.fields_for_group(group.group_id)
+        for _ in group.block_ids
+    )
+    return True, None, nbytes
