@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tspd.core import wire
 from tspd.core.bootstrap import ParallelInfo
@@ -349,3 +351,25 @@ def test_full_journey_leaves_no_room_state(pair: CorePair) -> None:
     assert stats["rooms"] == stats["routes"] == stats["tracker_rooms"] == 0
     assert pair.decode[0].tracked_rooms() == []
     assert not pair.decode[0].has_in_flight()
+
+
+@given(
+    frames=st.lists(st.binary(max_size=12), max_size=8),
+    room=st.integers(0, 3),
+    status=st.sampled_from(list(TransferPoll)),
+    rank=st.integers(0, 3),
+)
+def test_any_status_frames_never_raise(
+    frames: list[bytes], room: int, status: TransferPoll, rank: int
+) -> None:
+    core = _bare_core()
+    core.register_request("a", 1, ADDR, 0.0)
+    core.parallel_info(ADDR, _info(), 0.0)
+    core.receive_status(frames, 0.0)
+    core.receive_status(_status(room, status, rank), 0.0)
+    state = core.room_state(1)
+    if state is RoomState.FAILED:
+        assert core.room_failure(1)
+    if room != 1:
+        # A status for an unknown room never creates one.
+        assert core.room_state(room) is RoomState.ABSENT
