@@ -15,9 +15,10 @@ import click
 _COMMANDS: dict[str, str] = {
     "wire": "tspd.cli.wire:wire",
     "bench": "tspd.cli.bench:bench",
+    "events": "tspd.cli.events:events",
+    "diagrams": "tspd.cli.diagrams:diagrams",
     "demo": "tspd.cli.demo:demo",
     "bootstrap-server": "tspd.cli.demo:bootstrap_server",
-    "diagrams": "tspd.cli.diagrams:diagrams",
 }
 
 
