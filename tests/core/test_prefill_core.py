@@ -520,6 +520,9 @@ def test_unclaimed_preallocation_is_dropped_and_its_decode_told(pair: CorePair) 
 
 def test_tracked_rooms_never_expire(pair: CorePair) -> None:
     _bootstrapped(pair, "r", 6)
+    pair.prefill[0].abort(7, "x", pair.now)
+    assert pair.prefill[0].rooms_by_state() == {"Bootstrapped": 1, "Failed": 1}
+    assert pair.decode[0].rooms_by_state() == {"WaitingForInput": 1}
     pair.advance(1000.0)
     assert pair.prefill[0].room_state(6) is RoomState.BOOTSTRAPPED
     assert pair.prefill[0].next_deadline() is None

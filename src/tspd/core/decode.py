@@ -223,6 +223,11 @@ class DecodeCore:
         """The Prefill bootstrap addresses to heartbeat: those with cached parallel info."""
         return sorted(self._addresses)
 
+    def rooms_by_state(self) -> dict[str, int]:
+        """How many rooms are in each state (``"Bootstrapping"``, ``"Failed"``...), for
+        gauges; states without rooms are left out."""
+        return self._rooms.counts()
+
     def statistics(self) -> dict[str, int]:
         """Table sizes. Every per-room table is empty once all rooms have ended;
         ``addresses``, ``rank_infos`` and ``registered_ranks`` are per Prefill peer."""

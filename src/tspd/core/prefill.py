@@ -331,6 +331,11 @@ class PrefillCore:
         """Whether ``session_id`` has an accepted registration."""
         return session_id in self._registrations
 
+    def rooms_by_state(self) -> dict[str, int]:
+        """How many rooms are in each state (``"Bootstrapping"``, ``"Failed"``...), for
+        gauges; states without rooms are left out."""
+        return self._rooms.counts()
+
     def statistics(self) -> dict[str, int]:
         """Table sizes. Every per-room table is empty once all rooms have ended;
         ``registrations``, ``rejected`` and ``failed_sessions`` are per Decode session."""
