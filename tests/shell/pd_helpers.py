@@ -92,3 +92,16 @@ class DecodeStub:
         self.push.close()
         self.engine.unregister_memory(self.arena.base)
         self.arena.close()
+
+
+def port_is_free(port: int) -> bool:
+    """Whether ``127.0.0.1:port`` can be bound (ZMQ releases a closed socket's port
+    from its I/O thread, a moment after ``close``)."""
+    import socket
+
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

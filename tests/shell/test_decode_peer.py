@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import trio
-from pd_helpers import wait_until
+from pd_helpers import port_is_free, wait_until
 
 from tspd.core.commands import Bootstrapped, Event, Failed, RemotePrefillDone, Succeeded
 from tspd.core.contract import CacheContract
@@ -269,5 +268,4 @@ async def test_leaving_the_block_closes_the_status_socket() -> None:
             port = decode.status_port
             assert engine.engine.regions() == {arena.base: arena.size}
         assert engine.engine.regions() == {}
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", port))
+    await wait_until(lambda: port_is_free(port), limit=5)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import trio
 import trio.testing
-from pd_helpers import DecodeStub, wait_until
+from pd_helpers import DecodeStub, port_is_free, wait_until
 
 from tspd.core.commands import Bootstrapped, Event, Failed, Succeeded
 from tspd.core.contract import CacheContract
@@ -246,7 +246,7 @@ async def test_bootstrap_timeout_fails_the_request_in_virtual_time(
             _empty(peer)
 
 
-async def test_layerwise_chunks_wait_for_producer_steps(rig: Rig) -> None:
+async def test_layerwise_chunks_wait_for_producer_steps() -> None:
     contract = _contract()
     fabric = FakeFabric()
     decode = DecodeStub(contract, AsyncFakeEngine(fabric=fabric))
@@ -296,8 +296,5 @@ async def test_registers_with_the_bootstrap_server_and_closes_everything() -> No
                 port = peer.control_port
             assert engine.engine.regions() == {}
     # The control port is free again: nothing kept the socket open.
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", port))
+    await wait_until(lambda: port_is_free(port), limit=5)
     assert threading.active_count() <= threads + 1
