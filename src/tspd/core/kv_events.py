@@ -54,9 +54,6 @@ __all__ = [
 ]
 
 _U64_MAX: Final = (1 << 64) - 1
-_I64_MIN: Final = -(1 << 63)
-_I32_MIN: Final = -(1 << 31)
-_I32_MAX: Final = (1 << 31) - 1
 
 FNV_OFFSET_BASIS: Final = 14695981039346656037
 FNV_PRIME: Final = 1099511628211
@@ -315,21 +312,29 @@ def _opt_hash(obj: object) -> BlockHash | None:
     return None if obj is None else _hash(obj)
 
 
+_INT_ONLY: Final = frozenset({int})
+
+
 def _hashes(obj: object) -> tuple[BlockHash, ...]:
     if not isinstance(obj, list):
         raise WireError(f"block_hashes must be an array, got {_kind(obj)}")
+    # Fast path (the common case, checked at C speed): plain non-negative integers.
+    # msgpack never yields an integer above 2**64 - 1, and ``type() is int`` excludes bool.
+    if set(map(type, obj)) <= _INT_ONLY and (not obj or min(obj) >= 0):
+        return tuple(obj)
     return tuple(_hash(h) for h in obj)
 
 
 def _token_ids(obj: object) -> tuple[int, ...]:
     if not isinstance(obj, list):
         raise WireError(f"token_ids must be an array, got {_kind(obj)}")
+    # msgpack integers always fit 64 bits; only the type needs checking.
+    if set(map(type, obj)) <= _INT_ONLY:
+        return tuple(obj)
     for token in obj:
         if isinstance(token, bool) or not isinstance(token, int):
             raise WireError(f"token id must be an integer, got {_kind(token)}")
-        if not _I64_MIN <= token <= _U64_MAX:
-            raise WireError(f"token id {token} is outside the 64-bit range")
-    return tuple(obj)
+    raise AssertionError("unreachable: a non-int token id was found above")
 
 
 def _int(obj: object, what: str) -> int:

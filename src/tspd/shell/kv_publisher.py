@@ -73,6 +73,7 @@ from tspd.shell.zmq import TrioSocket, open_socket
 __all__ = [
     "PUBLISHERS",
     "SHUTDOWN_TIMEOUT",
+    "BatchQueue",
     "EventPublisher",
     "KVEventPublisher",
     "NullKVEventPublisher",
@@ -146,8 +147,8 @@ class EventPublisher(Protocol):
 Item = tuple[bytes, int]  # (payload, number of events)
 
 
-class _BatchQueue:
-    """A bounded FIFO from any thread into one Trio task.
+class BatchQueue:
+    """A bounded FIFO from any thread into one Trio task (the publisher's hand-off).
 
     Producers in other threads wait on a condition variable while it is full; the
     Trio consumer sleeps on a :class:`trio.Event` that a producer sets through
@@ -274,7 +275,7 @@ class KVEventPublisher:
         *,
         topic: bytes,
         dp_rank: int,
-        queue: _BatchQueue,
+        queue: BatchQueue,
         buffer: ReplayBuffer,
         pub: TrioSocket,
         router: TrioSocket | None,
@@ -292,6 +293,7 @@ class KVEventPublisher:
         self._replay_endpoint = replay_endpoint
         self._replay_stall_timeout = replay_stall_timeout
         self._drained = trio.Event()
+        self._progress = trio.Event()
         self._next_seq = 0
         self._batches = 0
         self._events = 0
@@ -350,6 +352,11 @@ class KVEventPublisher:
             return
         if not await self._queue.put_async(self._encode(events, ts)):
             self._warn_dropped()
+
+    async def wait_published(self, count: int) -> None:
+        """Wait until at least ``count`` batches went out (sent or failed, and buffered)."""
+        while self._batches < count:
+            await self._progress.wait()
 
     def statistics(self) -> PublisherStats:
         """The publisher's counters (safe to read from any thread)."""
@@ -412,6 +419,8 @@ class KVEventPublisher:
                 buffer.append(seq, payload)
                 self._batches += 1
                 self._events += count
+            self._progress.set()
+            self._progress = trio.Event()
             await trio.lowlevel.checkpoint()
         self._drained.set()
 
@@ -571,7 +580,7 @@ async def open_kv_publisher(
         except ConfigError:
             pub.close()
             raise
-    queue = _BatchQueue(config.max_queue_size, trio.lowlevel.current_trio_token())
+    queue = BatchQueue(config.max_queue_size, trio.lowlevel.current_trio_token())
     publisher = KVEventPublisher(
         topic=config.topic.encode(),
         dp_rank=dp_rank,
