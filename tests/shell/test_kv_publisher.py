@@ -382,3 +382,40 @@ async def test_factory_follows_tokenspeed(ipc_dir: str) -> None:
     with pytest.raises(ConfigError, match="Unknown event publisher 'kafka'"):
         open_event_publisher('{"enable_kv_cache_events": true, "publisher": "kafka"}')
     assert PUBLISHERS.names() == ("null", "zmq")
+
+
+class _FailingOnce:
+    """Wraps the PUB socket: the send of one chosen message fails like libzmq would."""
+
+    def __init__(self, inner: TrioSocket, fail_at: int) -> None:
+        self._inner = inner
+        self._calls = 0
+        self._fail_at = fail_at
+
+    def send_multipart_nowait(self, frames: list[bytes]) -> bool:
+        self._calls += 1
+        if self._calls == self._fail_at:
+            raise zmq.ZMQError(zmq.ENOTSUP)
+        return self._inner.send_multipart_nowait(frames)
+
+    def close(self, linger: int = 0) -> None:
+        self._inner.close(linger)
+
+
+async def test_a_batch_whose_send_failed_is_still_replayable(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = _config(f"ipc://{ipc_dir}/p", replay_endpoint="tcp://127.0.0.1:0")
+    async with open_kv_publisher(config, ctx=ctx) as pub:
+        assert pub.replay_endpoint is not None
+        pub._pub = _FailingOnce(pub._pub, fail_at=2)  # type: ignore[assignment]
+        for i in range(3):
+            await pub.apublish(EVENTS, ts=float(i))
+        await pub.wait_published(3)
+        async with _dealer(ctx, pub.replay_endpoint) as dealer:
+            replayed = await _request(dealer, 0)
+    assert [s for s, _ in replayed] == [0, 1, 2]
+    assert decode_batch(replayed[1][1]).ts == 1.0
+    assert pub.statistics().send_failures == 1
+    assert "publishing KV event batch 1" in caplog.text
+    assert "stays in the replay buffer" in caplog.text
