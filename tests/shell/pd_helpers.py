@@ -100,6 +100,9 @@ def port_is_free(port: int) -> bool:
     import socket
 
     with socket.socket() as probe:
+        # SO_REUSEADDR: connections the closed socket had accepted may linger in
+        # TIME_WAIT; only a socket still listening makes the bind fail.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:

@@ -134,15 +134,18 @@ class Workload:
         """This workload's contract for a rank of a TP group of ``tp_size``."""
         if self.contract_file is not None:
             return parse_contract(Path(self.contract_file).read_bytes())
-        if self.global_heads % tp_size:
+        # More ranks than KV heads: each rank holds one head and ranks replicate
+        # heads (GQA), which gives the Prefill side dummy ranks (spec §6.4).
+        heads = max(1, self.global_heads // tp_size)
+        if self.global_heads % heads or tp_size % (self.global_heads // heads):
             raise ConfigError(
                 f"{self.global_heads} KV heads cannot be split over TP={tp_size}; "
-                "pick a TP size that divides the head count"
+                "pick a TP size that divides the head count or a multiple of it"
             )
         return demo_contract(
             layers=self.layers,
             num_pages=self.num_pages,
-            heads=self.global_heads // tp_size,
+            heads=heads,
             head_dim=self.head_dim,
             dtype=self.dtype,
             tp_size=tp_size,
