@@ -23,6 +23,8 @@ from tspd.core.kv_events import (
     encode_event,
     encode_pub_frames,
     encode_seq,
+    from_scheduler_event,
+    from_scheduler_events,
 )
 
 U64 = (1 << 64) - 1
@@ -245,3 +247,45 @@ def test_pub_frames_round_trip_and_reject_bad_shapes() -> None:
 def test_encode_seq_writes_the_end_marker_as_twos_complement() -> None:
     assert encode_seq(-1) == b"\xff" * 8
     assert encode_seq(1) == b"\x00" * 7 + b"\x01"
+
+
+class _Native:
+    """A scheduler-native event as the binding hands it out (numpy-like integers)."""
+
+    def __init__(self, kind: str, **fields: object) -> None:
+        self.kind = kind
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+
+class _NumpyLikeInt:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __int__(self) -> int:
+        return self.value
+
+
+def test_scheduler_events_translate_by_kind_and_coerce_integers() -> None:
+    stored = _Native(
+        "BlockStored",
+        block_hashes=[_NumpyLikeInt(5)],
+        parent_block_hash=_NumpyLikeInt(4),
+        token_ids=[_NumpyLikeInt(1), 2],
+        block_size=_NumpyLikeInt(2),
+    )
+    first = _Native("stored", block_hashes=[4], parent_block_hash=None, token_ids=[9], block_size=1)
+    removed = _Native("BlockRemoved", block_hashes=[5])
+    events = from_scheduler_events([stored, first, removed])
+    assert events == [
+        BlockStored((5,), 4, (1, 2), 2),
+        BlockStored((4,), None, (9,), 1),
+        BlockRemoved((5,)),
+    ]
+    assert all(type(h) is int for e in events for h in e.block_hashes)  # type: ignore[union-attr]
+
+
+def test_unknown_scheduler_kind_is_tokenspeeds_type_error() -> None:
+    # Shape does not matter: a removal-shaped event of an unknown kind is refused.
+    with pytest.raises(TypeError, match=r"^Unsupported scheduler KV event kind: Evicted$"):
+        from_scheduler_event(_Native("Evicted", block_hashes=[1]))

@@ -25,7 +25,7 @@ frames are in :mod:`tspd.core.replay`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
@@ -51,6 +51,8 @@ __all__ = [
     "encode_event",
     "encode_pub_frames",
     "encode_seq",
+    "from_scheduler_event",
+    "from_scheduler_events",
 ]
 
 _U64_MAX: Final = (1 << 64) - 1
@@ -151,6 +153,42 @@ def chain_block_hashes(
         parent = block_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
+
+
+# -- from the scheduler -----------------------------------------------------------
+
+_STORED_KINDS: Final = frozenset({"blockstored", "stored"})
+_REMOVED_KINDS: Final = frozenset({"blockremoved", "removed"})
+
+
+def from_scheduler_event(native: Any) -> KVEvent:
+    """One scheduler-native event as its wire struct (spec §9.1).
+
+    Dispatches on the event's ``kind`` attribute, not on its shape; integers are
+    coerced to plain ``int`` (the binding may hand out numpy or C++ integers).
+    The scheduler's kind names are matched case-insensitively as ``BlockStored`` /
+    ``stored`` and ``BlockRemoved`` / ``removed`` [inferred: the binding is not
+    part of the spec's sources]. Anything else raises TokenSpeed's
+    ``TypeError("Unsupported scheduler KV event kind: {kind}")``.
+    """
+    kind = getattr(native, "kind", None)
+    name = str(kind).lower()
+    if name in _STORED_KINDS:
+        parent = native.parent_block_hash
+        return BlockStored(
+            tuple(int(h) for h in native.block_hashes),
+            None if parent is None else int(parent),
+            tuple(int(t) for t in native.token_ids),
+            int(native.block_size),
+        )
+    if name in _REMOVED_KINDS:
+        return BlockRemoved(tuple(int(h) for h in native.block_hashes))
+    raise TypeError(f"Unsupported scheduler KV event kind: {kind}")
+
+
+def from_scheduler_events(natives: Iterable[Any]) -> list[KVEvent]:
+    """A drained list of scheduler events as wire structs, in order."""
+    return [from_scheduler_event(n) for n in natives]
 
 
 # -- encoding -------------------------------------------------------------------
