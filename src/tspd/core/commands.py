@@ -21,6 +21,7 @@ import enum
 from dataclasses import dataclass
 
 from tspd.core.copies import CopyPlan
+from tspd.core.trace import ReasonClass
 
 __all__ = [
     "Bootstrapped",
@@ -141,11 +142,13 @@ class FetchRankInfo:
 class RoomFailed:
     """A room failed on this rank (emitted once per room). ``timeout_stage`` names
     the phase when a timeout caused it (``"bootstrapping"``, ``"waiting_for_input"``),
-    for the timeout metric."""
+    for the timeout metric; ``reason_class`` is the reason's class, for the
+    failure metric and the log line (:func:`tspd.core.trace.classify_failure`)."""
 
     room: int
     reason: str
     timeout_stage: str | None = None
+    reason_class: ReasonClass = ReasonClass.OTHER
 
 
 class LogLevel(enum.StrEnum):

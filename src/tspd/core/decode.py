@@ -62,6 +62,7 @@ from tspd.core.manifest import BlockManifest, build_manifest, validate_manifest
 from tspd.core.planner import RoutePlanner
 from tspd.core.poll import TransferPoll
 from tspd.core.rooms import RoomTable
+from tspd.core.trace import Mark, ReasonClass, RoomTrace, RoomTracer, Side, TraceConfig
 
 __all__ = ["DecodeConfig", "DecodeCore"]
 
@@ -83,6 +84,7 @@ class DecodeConfig:
     ``endpoint``/``port``: where this rank's status PULL socket listens (sent in
     registrations). ``session_id``: this rank's transfer-engine session
     (``"ip:rpc_port"``). ``arena_base``: its registered arena (Prefill writes there).
+    ``trace``: how many finished room traces are kept (:mod:`tspd.core.trace`).
     """
 
     tp_size: int
@@ -94,6 +96,7 @@ class DecodeConfig:
     port: int
     waiting_timeout: float = 300.0
     heartbeat_max_failures: int = 2
+    trace: TraceConfig = field(default_factory=TraceConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -171,6 +174,7 @@ class DecodeCore:
         self._waiting_since: dict[int, float] = {}
         self._commands: list[Command] = []
         self._waiting_warned = False
+        self._trace = RoomTracer(Side.DECODE, config.tp_rank, config.trace)
         try:
             registration = wire.encode_registration(
                 wire.Registration(
@@ -197,6 +201,13 @@ class DecodeCore:
         """Every command queued since the last drain, in order."""
         commands, self._commands = self._commands, []
         return commands
+
+    def drain_finished(self) -> list[RoomTrace]:
+        """The trace of every room that ended since the last drain, in order: its
+        outcome, failure class and phase durations, for metrics. Drain it after
+        :meth:`drain_commands`; undrained traces are bounded
+        (:attr:`DecodeConfig.trace`)."""
+        return self._trace.drain_finished()
 
     def _log(self, level: LogLevel, message: str, room: int | None = None) -> None:
         self._commands.append(Log(level, message, room))
@@ -228,11 +239,22 @@ class DecodeCore:
         gauges; states without rooms are left out."""
         return self._rooms.counts()
 
+    def trace(self, room: int) -> RoomTrace | None:
+        """The room's trace on this rank: live, or kept after it failed or ran slow;
+        ``None`` when neither (see :mod:`tspd.core.trace`)."""
+        return self._trace.trace(room)
+
+    def recent_traces(self) -> list[RoomTrace]:
+        """Traces of recently ended rooms that failed or ran slow, oldest first
+        (bounded by :attr:`DecodeConfig.trace`)."""
+        return self._trace.recent()
+
     def statistics(self) -> dict[str, int]:
         """Table sizes. Every per-room table is empty once all rooms have ended;
         ``addresses``, ``rank_infos`` and ``registered_ranks`` are per Prefill peer."""
         return {
             "rooms": len(self._rooms),
+            "traces": len(self._trace),
             "tracked_requests": len(self._receivers),
             "routes": len(self._routes),
             "completions": len(self._completions),
@@ -251,8 +273,10 @@ class DecodeCore:
         self,
         room: int,
         reason: str,
+        now: float,
         trigger: str = DecodeTrigger.FAIL,
         timeout_stage: str | None = None,
+        reason_class: ReasonClass | None = None,
     ) -> None:
         if self._rooms.state(room) is RoomState.ABSENT:
             return
@@ -265,11 +289,19 @@ class DecodeCore:
             if timeout_stage is None and rid is not None:
                 # A timeout recorded the first reason; the stage goes with it.
                 timeout_stage = self._receivers[rid].timeout_stage
-            self._commands.append(RoomFailed(room, kept, timeout_stage))
+            cause = self._trace.fail(
+                room,
+                kept,
+                now,
+                timeout_stage=timeout_stage,
+                reason_class=reason_class if kept == reason else None,
+            )
+            self._commands.append(RoomFailed(room, kept, timeout_stage, cause))
             self._log(LogLevel.WARNING, f"room {room} failed: {kept}", room)
 
-    def _forget(self, receiver: _Receiver) -> None:
+    def _forget(self, receiver: _Receiver, now: float) -> None:
         room = receiver.room
+        self._trace.finish(room, self._rooms.state(room), Mark.CONCLUDED, now)
         del self._receivers[receiver.rid]
         self._rid_of_room.pop(room, None)
         self._rooms.forget(room)
@@ -304,9 +336,10 @@ class DecodeCore:
         self._rooms.fire(room, DecodeTrigger.REGISTER)
         self._receivers[rid] = _Receiver(rid, room, bootstrap_addr, now)
         self._rid_of_room[room] = rid
+        self._trace.mark(room, Mark.REGISTERED, now, rid=rid)
         self._tracker.setdefault(bootstrap_addr, set()).add(room)
         if bootstrap_addr in self._addresses:
-            self._route(room, bootstrap_addr)
+            self._route(room, bootstrap_addr, now)
             return
         waiting = self._awaiting_info.setdefault(bootstrap_addr, [])
         if not waiting:
@@ -326,12 +359,13 @@ class DecodeCore:
                 self._fail(
                     room,
                     f"Could not fetch prefill parallel info from bootstrap_addr: {bootstrap_addr}",
+                    now,
                 )
             return
         self._addresses[bootstrap_addr] = _Address(info, self._planner(bootstrap_addr, info))
         self._tracker.setdefault(bootstrap_addr, set())
         for room in waiting:
-            self._route(room, bootstrap_addr)
+            self._route(room, bootstrap_addr, now)
 
     def _planner(self, bootstrap_addr: str, info: ParallelInfo) -> RoutePlanner | str:
         try:
@@ -351,20 +385,20 @@ class DecodeCore:
         except TspdError as err:
             return str(err)
 
-    def _route(self, room: int, bootstrap_addr: str) -> None:
+    def _route(self, room: int, bootstrap_addr: str, now: float) -> None:
         if self._rooms.state(room) is not RoomState.BOOTSTRAPPING:
             return
         address = self._addresses[bootstrap_addr]
         planner = address.planner
         if isinstance(planner, str):
-            self._fail(room, planner)
+            self._fail(room, planner, now, reason_class=ReasonClass.INCOMPATIBLE)
             return
         rank = self.config.tp_rank
         try:
             expected = planner.expected_prefill_ranks(rank)
             targets = planner.target_tp_ranks(rank)
         except TspdError as err:
-            self._fail(room, str(err))
+            self._fail(room, str(err), now, reason_class=ReasonClass.INCOMPATIBLE)
             return
         route = _Route(room % address.info.dp_size, targets, expected)
         self._routes[room] = route
@@ -379,7 +413,7 @@ class DecodeCore:
                 self._commands.append(FetchRankInfo(bootstrap_addr, target, route.dp_group))
             waiting.add(room)
         if not missing:
-            self._routed(room, bootstrap_addr)
+            self._routed(room, bootstrap_addr, now)
 
     def rank_info(
         self, bootstrap_addr: str, dp_group: int, engine_rank: int, info: RankInfo | str, now: float
@@ -399,6 +433,7 @@ class DecodeCore:
                     room,
                     f"Could not fetch bootstrap info for engine rank: {engine_rank} and "
                     f"target_dp_group: {dp_group}",
+                    now,
                 )
             return
         self._rank_infos[key] = info
@@ -407,9 +442,9 @@ class DecodeCore:
             if route is None or self._rooms.state(room) is not RoomState.BOOTSTRAPPING:
                 continue
             if all((bootstrap_addr, route.dp_group, t) in self._rank_infos for t in route.targets):
-                self._routed(room, bootstrap_addr)
+                self._routed(room, bootstrap_addr, now)
 
-    def _routed(self, room: int, bootstrap_addr: str) -> None:
+    def _routed(self, room: int, bootstrap_addr: str, now: float) -> None:
         route = self._routes[room]
         for target in route.targets:
             key = (bootstrap_addr, route.dp_group, target)
@@ -420,6 +455,7 @@ class DecodeCore:
                     SendFrames(info.rank_ip, info.rank_port, self._registration_frames, room)
                 )
         self._rooms.fire(room, DecodeTrigger.ROUTED)
+        self._trace.mark(room, Mark.BOOTSTRAPPED, now)
 
     # ------------------------------------------------------------------ pre-allocation
 
@@ -460,7 +496,7 @@ class DecodeCore:
         except ProtocolError:
             raise
         except TspdError as err:
-            self._fail(room, f"invalid pre-allocation metadata: {err}")
+            self._fail(room, f"invalid pre-allocation metadata: {err}", now)
             return
         for target in route.targets:
             info = self._rank_infos[(receiver.addr, route.dp_group, target)]
@@ -468,6 +504,7 @@ class DecodeCore:
             self._commands.append(SendFrames(info.rank_ip, info.rank_port, tuple(frames), room))
         self._rooms.fire(room, DecodeTrigger.PREALLOCATED)
         self._waiting_since[room] = now
+        self._trace.mark(room, Mark.PREALLOCATED, now)
 
     # ------------------------------------------------------------------ status socket
 
@@ -485,9 +522,9 @@ class DecodeCore:
             return
         status = message.status
         if status is TransferPoll.FAILED:
-            self._fail(room, _PREFILL_FAILED)
+            self._fail(room, _PREFILL_FAILED, now)
         elif status is TransferPoll.SUCCESS:
-            self._completed_by(room, message)
+            self._completed_by(room, message, now)
         elif status is TransferPoll.TRANSFERRING:
             self._log(
                 LogLevel.WARNING, f"Req(room={room}) in Transferring, which is unexpected", room
@@ -500,14 +537,14 @@ class DecodeCore:
                 room,
             )
 
-    def _completed_by(self, room: int, message: wire.StatusMessage) -> None:
+    def _completed_by(self, room: int, message: wire.StatusMessage, now: float) -> None:
         route = self._routes.get(room)
         if route is None:
-            self._fail(room, _EARLY_COMPLETION)
+            self._fail(room, _EARLY_COMPLETION, now)
             return
         rank = message.prefill_rank
         if rank not in route.expected:
-            self._fail(room, _UNEXPECTED_RANK)
+            self._fail(room, _UNEXPECTED_RANK, now)
             return
         completion = self._completions.setdefault(room, _Completion())
         completion.done.add(rank)
@@ -521,9 +558,10 @@ class DecodeCore:
         if len(completion.done) < len(route.expected):
             self._rooms.fire(room, DecodeTrigger.RANK_DONE)
         elif completion.done != route.expected:
-            self._fail(room, _SET_MISMATCH)
+            self._fail(room, _SET_MISMATCH, now)
         else:
             self._rooms.fire(room, DecodeTrigger.COMPLETED)
+            self._trace.mark(room, Mark.COMPLETED, now)
 
     # ------------------------------------------------------------------ heartbeat
 
@@ -551,9 +589,9 @@ class DecodeCore:
             )
             return
         PREFILL_ADDRESS_HEALTH_TABLE.fire(address.health, HealthTrigger.GIVE_UP)
-        self._drop_address(bootstrap_addr)
+        self._drop_address(bootstrap_addr, now)
 
-    def _drop_address(self, bootstrap_addr: str) -> None:
+    def _drop_address(self, bootstrap_addr: str, now: float) -> None:
         del self._addresses[bootstrap_addr]
         for key in [k for k in self._rank_infos if k[0] == bootstrap_addr]:
             del self._rank_infos[key]
@@ -565,7 +603,7 @@ class DecodeCore:
             if self._rooms.state(room) in (RoomState.SUCCESS, RoomState.ABSENT):
                 continue
             affected += 1
-            self._fail(room, reason, DecodeTrigger.PREFILL_LOST)
+            self._fail(room, reason, now, DecodeTrigger.PREFILL_LOST)
         self._log(LogLevel.ERROR, f"{reason}, affected {affected} requests")
         live = [r for r in rooms if r in self._rid_of_room]
         if live:
@@ -632,11 +670,12 @@ class DecodeCore:
                     self._fail(
                         room,
                         f"Request {room} failed on another rank of the Decode TP group",
+                        now,
                         timeout_stage=receiver.timeout_stage,
                     )
                 reason = self._rooms.failure(room) or f"Request {room} failed"
                 events.append(Failed(receiver.rid, reason))
-                self._forget(receiver)
+                self._forget(receiver, now)
             elif receiver.local is RoomState.BOOTSTRAPPING and poll in (
                 TransferPoll.BOOTSTRAPPED,
                 TransferPoll.WAITING_FOR_INPUT,
@@ -655,7 +694,7 @@ class DecodeCore:
                         completion.bootstrap_logprob,
                     )
                 )
-                self._forget(receiver)
+                self._forget(receiver, now)
         return events
 
     # ------------------------------------------------------------------ timers

@@ -74,6 +74,7 @@ from tspd.core.planner import PlannedRegistration, plan_registration, validate_f
 from tspd.core.poll import TransferPoll
 from tspd.core.rooms import RoomTable
 from tspd.core.schedule import ProducerSchedule, StepReservation, interval_targets
+from tspd.core.trace import Mark, ReasonClass, RoomTrace, RoomTracer, Side, TraceConfig
 
 __all__ = [
     "BOOTSTRAP_STALL_S",
@@ -122,6 +123,7 @@ class PrefillConfig:
     ``failed_session_ttl <= 0`` disables failed-session fast-fail.
     ``layerwise``/``layerwise_interval``: the producer schedule and the producer
     steps per transfer interval when KV streams layerwise, else ``None``.
+    ``trace``: how many finished room traces are kept (:mod:`tspd.core.trace`).
     """
 
     tp_size: int
@@ -136,6 +138,7 @@ class PrefillConfig:
     failed_session_ttl: float = 30.0
     layerwise: ProducerSchedule | None = None
     layerwise_interval: int = 1
+    trace: TraceConfig = field(default_factory=TraceConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -262,6 +265,7 @@ class PrefillCore:
         self._commands: list[Command] = []
         self._stall_logged_at: float | None = None
         self._timeout_warned = False
+        self._trace = RoomTracer(Side.PREFILL, config.tp_rank, config.trace)
         self._interval_fields: tuple[frozenset[str] | None, ...] = (None,)
         if config.layerwise is not None:
             self._interval_fields = tuple(
@@ -275,6 +279,13 @@ class PrefillCore:
         """Every command queued since the last drain, in order."""
         commands, self._commands = self._commands, []
         return commands
+
+    def drain_finished(self) -> list[RoomTrace]:
+        """The trace of every room that ended since the last drain, in order: its
+        outcome, failure class, phase durations, bytes and descriptors, for metrics.
+        Drain it after :meth:`drain_commands`; undrained traces are bounded
+        (:attr:`PrefillConfig.trace`)."""
+        return self._trace.drain_finished()
 
     def _log(self, level: LogLevel, message: str, room: int | None = None) -> None:
         self._commands.append(Log(level, message, room))
@@ -336,12 +347,23 @@ class PrefillCore:
         gauges; states without rooms are left out."""
         return self._rooms.counts()
 
+    def trace(self, room: int) -> RoomTrace | None:
+        """The room's trace on this rank: live, or kept after it failed or ran slow;
+        ``None`` when neither (see :mod:`tspd.core.trace`)."""
+        return self._trace.trace(room)
+
+    def recent_traces(self) -> list[RoomTrace]:
+        """Traces of recently ended rooms that failed, were dropped or ran slow,
+        oldest first (bounded by :attr:`PrefillConfig.trace`)."""
+        return self._trace.recent()
+
     def statistics(self) -> dict[str, int]:
         """Table sizes. Every per-room table is empty once all rooms have ended;
         ``registrations``, ``rejected`` and ``failed_sessions`` are per Decode session."""
         per_room = self._per_room
         return {
             "rooms": len(self._rooms),
+            "traces": len(self._trace),
             "tracked_requests": len(self._senders),
             "tracked_rooms": len(self._tracked),
             "unclaimed": len(per_room.unclaimed),
@@ -363,18 +385,32 @@ class PrefillCore:
         if room not in self._tracked:
             self._per_room.unclaimed.setdefault(room, now)
 
-    def _forget_room(self, room: int) -> None:
+    def _forget_room(self, room: int, mark: Mark, now: float) -> None:
+        self._trace.finish(room, self._rooms.state(room), mark, now)
         self._rooms.forget(room)
         self._per_room.clear(room)
 
     def _abort_room(
-        self, room: int, reason: str, now: float, timeout_stage: str | None = None
+        self,
+        room: int,
+        reason: str,
+        now: float,
+        timeout_stage: str | None = None,
+        reason_class: ReasonClass | None = None,
     ) -> None:
         """Fail the room (first reason wins) and tell every non-dummy destination that
-        pre-allocated for it; its destinations are dropped."""
+        pre-allocated for it; its destinations are dropped. ``reason_class`` is given
+        when the caller knows the cause better than the reason's text says."""
         if self._rooms.fail(room, reason):
             kept = self._rooms.failure(room) or reason
-            self._commands.append(RoomFailed(room, kept, timeout_stage))
+            cause = self._trace.fail(
+                room,
+                kept,
+                now,
+                timeout_stage=timeout_stage,
+                reason_class=reason_class if kept == reason else None,
+            )
+            self._commands.append(RoomFailed(room, kept, timeout_stage, cause))
             self._log(LogLevel.WARNING, f"room {room} failed: {kept}", room)
         self._touch(room, now)
         self._per_room.in_flight.discard(room)
@@ -542,6 +578,9 @@ class PrefillCore:
         self._rooms.fire(
             room, PrefillTrigger.FANOUT_COMPLETE if complete else PrefillTrigger.PREALLOCATE
         )
+        self._trace.mark(room, Mark.PREALLOCATED, now)
+        if complete:
+            self._trace.mark(room, Mark.BOOTSTRAPPED, now)
 
     def _fanout_member(self, session_id: str) -> tuple[int, int, frozenset[int]] | None:
         registered = self._registrations.get(session_id)
@@ -566,6 +605,7 @@ class PrefillCore:
         self._per_room.unclaimed.pop(room, None)
         self._tracked[room] = self._tracked.get(room, 0) + 1
         self._senders[rid] = _Sender(rid, room, now)
+        self._trace.mark(room, Mark.REGISTERED, now, rid=rid)
 
     def poll_values(self, now: float) -> list[int]:
         """This rank's value per tracked request, in registration order, for the MIN
@@ -623,10 +663,10 @@ class PrefillCore:
                 events.append(Bootstrapped(sender.rid))
             elif poll is TransferPoll.FAILED:
                 events.append(Failed(sender.rid, self._fail_concluded(sender, now)))
-                self._forget_request(sender)
+                self._forget_request(sender, now)
             elif sender.local is RoomState.BOOTSTRAPPED and poll is TransferPoll.SUCCESS:
                 events.append(Succeeded(sender.rid))
-                self._forget_request(sender)
+                self._forget_request(sender, now)
         return events
 
     def _fail_concluded(self, sender: _Sender, now: float) -> str:
@@ -638,7 +678,7 @@ class PrefillCore:
             self._abort_room(room, reason, now, sender.timeout_stage)
         return self._rooms.failure(room) or f"Request {room} failed"
 
-    def _forget_request(self, sender: _Sender) -> None:
+    def _forget_request(self, sender: _Sender, now: float) -> None:
         del self._senders[sender.rid]
         room = sender.room
         left = self._tracked.get(room, 0) - 1
@@ -646,7 +686,7 @@ class PrefillCore:
             self._tracked[room] = left
             return
         self._tracked.pop(room, None)
-        self._forget_room(room)
+        self._forget_room(room, Mark.CONCLUDED, now)
 
     def _log_stalls(self, senders: list[_Sender], agreed: Sequence[int], now: float) -> None:
         if self._stall_logged_at is not None and now - self._stall_logged_at < BOOTSTRAP_STALL_S:
@@ -668,7 +708,7 @@ class PrefillCore:
         """Fail ``room`` with ``reason`` and notify its destinations (spec §7.9.1;
         ``epd_abort_reason(rid)`` for an EPD give-up). A later pre-allocation is
         answered ``Failed``; an untracked room is dropped after the unclaimed TTL."""
-        self._abort_room(room, reason, now)
+        self._abort_room(room, reason, now, reason_class=ReasonClass.ABORTED)
 
     def record_usage(
         self, room: int, cached_tokens: int, bootstrap_logprob: float | None = None
@@ -725,7 +765,7 @@ class PrefillCore:
             self._per_room.metadata[room] = metadata
             if room in self._per_room.written:
                 self._per_room.written.discard(room)
-                self._report_success(room)
+                self._report_success(room, now)
             return
         destinations = self._per_room.destinations.get(room)
         if state is not RoomState.BOOTSTRAPPED or not destinations:
@@ -740,6 +780,7 @@ class PrefillCore:
             # Rendezvous only: this rank joins the status agreement and sends nothing.
             self._rooms.fire(room, PrefillTrigger.TRANSFER_SUCCEEDED)
             self._per_room.destinations.pop(room, None)
+            self._trace.mark(room, Mark.NOTIFIED, now)
             return
         try:
             require_same_prompt_window(windows)
@@ -759,7 +800,7 @@ class PrefillCore:
             return
         self._per_room.metadata[room] = metadata
         self._per_room.in_flight.add(room)
-        self._start(room, destinations, ((None, writes[0]),), final=True)
+        self._start(room, destinations, ((None, writes[0]),), final=True, now=now)
 
     def _plan_writes(
         self,
@@ -812,17 +853,19 @@ class PrefillCore:
         intervals: Sequence[tuple[int | None, tuple[DestinationWrite, ...]]],
         *,
         final: bool,
+        now: float,
     ) -> None:
         ports = sum(wire.session_port(d.session_id) or 0 for d in destinations)
-        self._commands.append(
-            StartTransfer(
-                room=room,
-                shard=ports % self.config.transfer_workers,
-                intervals=tuple(TransferInterval(step, writes) for step, writes in intervals),
-                final=final,
-                sessions=tuple(d.session_id for d in destinations if d.manifest is not None),
-            )
+        chunk = StartTransfer(
+            room=room,
+            shard=ports % self.config.transfer_workers,
+            intervals=tuple(TransferInterval(step, writes) for step, writes in intervals),
+            final=final,
+            sessions=tuple(d.session_id for d in destinations if d.manifest is not None),
         )
+        descriptors = sum(len(w.plan) for i in chunk.intervals for w in i.writes)
+        self._trace.transfer(room, chunk.total_bytes, descriptors, now)
+        self._commands.append(chunk)
 
     def arm_layerwise(self, rows: Sequence[ExtendRow], now: float) -> int | None:
         """Layerwise: arm one chunk per extend row of the coming forward whose request
@@ -883,7 +926,11 @@ class PrefillCore:
         if selection.is_final:
             self._per_room.in_flight.add(room)
         self._start(
-            room, destinations, list(zip(targets, writes, strict=True)), final=selection.is_final
+            room,
+            destinations,
+            list(zip(targets, writes, strict=True)),
+            final=selection.is_final,
+            now=now,
         )
 
     # ------------------------------------------------------------------ workers
@@ -897,12 +944,13 @@ class PrefillCore:
         if self._rooms.ended(room):
             self._log(LogLevel.DEBUG, f"room {room} ended before its transfer finished", room)
             return
+        self._trace.mark(room, Mark.WRITTEN, now)
         if room not in self._per_room.metadata:
             self._per_room.written.add(room)
             return
-        self._report_success(room)
+        self._report_success(room, now)
 
-    def _report_success(self, room: int) -> None:
+    def _report_success(self, room: int, now: float) -> None:
         metadata = self._per_room.metadata.pop(room)
         usage = self._per_room.usage.get(room) or _Usage()
         frames = wire.encode_status(
@@ -924,6 +972,7 @@ class PrefillCore:
                 self._send(route, frames, room)
         self._rooms.fire(room, PrefillTrigger.TRANSFER_SUCCEEDED)
         self._per_room.destinations.pop(room, None)
+        self._trace.mark(room, Mark.NOTIFIED, now)
 
     def transfer_failed(self, room: int, session_id: str | None, error: str, now: float) -> None:
         """A chunk failed. ``session_id`` set: a write to that session failed (it is
@@ -981,7 +1030,7 @@ class PrefillCore:
                     route = self._route_of(destination.session_id)
                     if route is not None:
                         self._notify_failed(route, room)
-            self._forget_room(room)
+            self._forget_room(room, Mark.DROPPED, now)
         for session_id in [
             s
             for s, at in self._failed_sessions.items()
