@@ -20,6 +20,12 @@ results and errors cross, and cancelling the asyncio awaitable cancels the Trio
 task. A host that already runs ``trio.run`` opens the bridge itself inside
 ``trio_asyncio.open_loop()`` with :func:`open_aio_bridge`.
 
+Importing ``trio_asyncio`` replaces asyncio's loop policy and
+``get_running_loop`` for the whole process (after it, ``asyncio.run`` runs
+trio-asyncio's own loop, and Trio guest mode cannot start there). So this module
+imports it only when a bridge is opened, and a process uses one path or the
+other, never both.
+
 Under a plain ``asyncio.run()`` this path cannot work (trio-asyncio needs Trio
 outside); :func:`open_aio_bridge` refuses with :class:`BridgeClosed` naming the
 guest-mode alternative instead of failing deep inside trio-asyncio.
@@ -29,10 +35,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from functools import partial
 from typing import Any, TypeVar, final
 
 import trio
-import trio_asyncio  # type: ignore[import-untyped]
 
 from tspd.hosts.bridge import BridgeClosed, iterate_via
 from tspd.hosts.services import ServiceNursery
@@ -44,6 +50,13 @@ T = TypeVar("T")
 
 #: How long closing the bridge lets the entered services exit in order.
 CLOSE_TIMEOUT = 10.0
+
+
+def _trio_asyncio() -> Any:
+    """trio-asyncio, imported on first use (see the module doc for why)."""
+    import trio_asyncio  # type: ignore[import-untyped]
+
+    return trio_asyncio
 
 
 @final
@@ -72,7 +85,7 @@ class AioBridge:
         is raised here, and cancelling this awaitable cancels the Trio task."""
         if not self._open:
             raise BridgeClosed(f"{self._name} is closed; the call was not run")
-        result: T = await trio_asyncio.trio_as_aio(fn)(*args)
+        result: T = await _trio_asyncio().trio_as_aio(fn)(*args)
         return result
 
     async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
@@ -87,7 +100,7 @@ class AioBridge:
     async def enter(self, cm: AbstractAsyncContextManager[T], *, name: str | None = None) -> T:
         """Enter the Trio async context manager ``cm`` in the bridge's nursery and
         return what it yields; it is exited (newest first) when the bridge closes."""
-        return await self.run(self._services.enter, cm, name)
+        return await self.run(partial(self._services.enter, name=name), cm)
 
     async def start(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         """Start a ``task_status`` service in the bridge's nursery; returns its
@@ -109,7 +122,7 @@ async def open_aio_bridge(
     Leaving the block exits the entered services newest first, then cancels the
     started ones. Raises :class:`BridgeClosed` when no trio-asyncio loop is open.
     """
-    if trio_asyncio.current_loop.get() is None:
+    if _trio_asyncio().current_loop.get() is None:
         raise BridgeClosed(
             f"{name} needs a trio-asyncio loop: call it inside trio_asyncio.open_loop() or "
             "under trio_asyncio.run(); a host that must keep asyncio.run() uses "
@@ -138,8 +151,9 @@ def run_aio_host(
 
     async def trio_main() -> T:
         async with open_aio_bridge(name=name) as bridge:
-            result: T = await trio_asyncio.aio_as_trio(main)(bridge, *args)
+            result: T = await _trio_asyncio().aio_as_trio(main)(bridge, *args)
             return result
 
-    result: T = trio_asyncio.run(trio_main)
+    with single_error():
+        result: T = _trio_asyncio().run(trio_main)
     return result

@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from tspd.core.errors import TspdError
 
-__all__ = ["BridgeClosed", "TrioBridge", "iterate_via"]
+__all__ = ["BridgeClosed", "TrioBridge", "iterate_via", "root_error"]
 
 T = TypeVar("T")
 
@@ -40,6 +40,13 @@ T = TypeVar("T")
 class BridgeClosed(TspdError):
     """The Trio side of a host bridge stopped; the call did not run, or was cut short
     by the shutdown. The message names the bridge and, when it crashed, why."""
+
+
+def root_error(exc: BaseException) -> BaseException:
+    """``exc`` with one-exception groups unwrapped (what an operator should read)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 class TrioBridge(Protocol):

@@ -27,12 +27,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from functools import partial
 from typing import Any, TypeVar, final
 
 import outcome
 import trio
 
-from tspd.hosts.bridge import BridgeClosed, iterate_via
+from tspd.hosts.bridge import BridgeClosed, iterate_via, root_error
 from tspd.hosts.services import ServiceNursery
 from tspd.shell.nursery import single_error
 
@@ -137,7 +138,7 @@ class TrioGuest:
     async def enter(self, cm: AbstractAsyncContextManager[T], *, name: str | None = None) -> T:
         """Enter the Trio async context manager ``cm`` in the guest's nursery and
         return what it yields; it is exited (newest first) when the guest closes."""
-        return await self.run(self._require_services().enter, cm, name)
+        return await self.run(partial(self._require_services().enter, name=name), cm)
 
     async def start(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         """Start a ``task_status`` service in the guest's nursery; returns its
@@ -163,7 +164,7 @@ class TrioGuest:
         return error
 
     def _post(self, fn: Callable[..., object], *args: Any) -> None:
-        if self._token is None or self._finished or self._closing:
+        if self._token is None or self._finished or self._closing or self._crash is not None:
             raise self._closed_error("is closed; the call was not run")
         try:
             self._token.run_sync_soon(fn, *args)
@@ -220,6 +221,14 @@ class TrioGuest:
     async def _main(self, ready: asyncio.Future[None]) -> None:
         """The guest run: a root nursery for calls and services until told to stop."""
         self._stop = trio.Event()
+        try:
+            await self._serve(ready)
+        except BaseException as exc:
+            self._crash = root_error(exc)
+            raise
+
+    async def _serve(self, ready: asyncio.Future[None]) -> None:
+        assert self._stop is not None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._services = ServiceNursery(nursery, owner=self._name)
@@ -267,7 +276,7 @@ async def open_trio_guest(*, name: str = "the tspd Trio guest") -> AsyncIterator
     def done(result: outcome.Outcome[None]) -> None:
         guest._finished = True
         if isinstance(result, outcome.Error):
-            guest._crash = result.error
+            guest._crash = root_error(result.error)
         if not finished.done():
             finished.set_result(result)
 

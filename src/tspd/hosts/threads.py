@@ -30,13 +30,14 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager, suppress
+from functools import partial
 from typing import Any, TypeVar, final
 
 import trio
 
 from tspd.core.commands import Event
 from tspd.core.manifest import BlockManifest
-from tspd.hosts.bridge import BridgeClosed
+from tspd.hosts.bridge import BridgeClosed, root_error
 from tspd.hosts.services import ServiceNursery
 from tspd.shell.decode import DecodePeer
 from tspd.shell.kv_subscriber import KVEventSubscriber, SubscriberItem
@@ -134,7 +135,7 @@ class TrioThread:
     def enter(self, cm: AbstractAsyncContextManager[T], *, name: str | None = None) -> T:
         """Enter the Trio async context manager ``cm`` in the host's nursery and
         return what it yields; it is exited (newest first) when the host closes."""
-        value: T = self.call(self._require_services().enter, cm, name)
+        value: T = self.call(partial(self._require_services().enter, name=name), cm)
         return value
 
     def start(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
@@ -260,7 +261,7 @@ class TrioThread:
         try:
             trio.run(self._main)
         except BaseException as exc:
-            self._crash = exc
+            self._crash = root_error(exc)
             log.error("%s crashed: %r", self._name, exc)
         finally:
             self._finished.set()
