@@ -1,0 +1,196 @@
+"""Structured logging: one logger per component, ids as fields, quiet by default.
+
+Every tspd logger lives under ``tspd``: :func:`component_logger` gives
+``tspd.prefill``, ``tspd.decode``, ``tspd.transfer``, ``tspd.bootstrap``,
+``tspd.events``, ``tspd.metrics``... Rooms, peers and ranks travel as ``extra``
+fields, never only inside the message, so a log pipeline can filter on them::
+
+    log.warning("room %d failed: %s", room, reason, extra=fields(room=room, side="prefill"))
+
+A library must not print on its own: importing this module installs a
+``NullHandler`` on ``tspd``, so nothing is shown until the application configures
+logging (its own handlers see every record, as usual) or calls
+:func:`configure_logging`, which the ``tspd`` commands do. That renders the fields
+as ``key=value`` after the message, or one JSON object per line.
+
+How much to log (``notes/environment.md`` §9: TokenSpeed's INFO logging costs ~30 %
+of its rooms/s): one line per *failure* with its reason and class, never one per
+room. A successful room's story is in its trace and the metrics, not the log.
+:func:`log_command` applies that to the cores' :class:`~tspd.core.commands.Log`
+and :class:`~tspd.core.commands.RoomFailed` commands.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Final, TextIO
+
+from tspd.core.commands import Command, Log, LogLevel, RoomFailed
+
+__all__ = [
+    "COMPONENTS",
+    "LEVELS",
+    "JsonFormatter",
+    "KeyValueFormatter",
+    "component_logger",
+    "configure_logging",
+    "fields",
+    "log_command",
+]
+
+ROOT: Final = "tspd"
+
+#: The components that log, each under ``tspd.<component>``.
+COMPONENTS: Final = (
+    "prefill",
+    "decode",
+    "transfer",
+    "bootstrap",
+    "events",
+    "metrics",
+    "engine",
+    "demo",
+)
+
+#: :class:`~tspd.core.commands.LogLevel` → :mod:`logging` level.
+LEVELS: Final[Mapping[LogLevel, int]] = {
+    LogLevel.DEBUG: logging.DEBUG,
+    LogLevel.INFO: logging.INFO,
+    LogLevel.WARNING: logging.WARNING,
+    LogLevel.ERROR: logging.ERROR,
+}
+
+logging.getLogger(ROOT).addHandler(logging.NullHandler())
+
+# Attributes every LogRecord has; anything else on a record came in through ``extra``.
+_STANDARD: Final = frozenset(
+    {
+        *logging.LogRecord("", 0, "", 0, "", None, None).__dict__,
+        "message",
+        "asctime",
+        "taskName",
+    }
+)
+
+
+def component_logger(component: str) -> logging.Logger:
+    """The logger of one tspd component: ``tspd.<component>`` (a dotted name nests
+    further, e.g. ``"bootstrap.http"``)."""
+    return logging.getLogger(f"{ROOT}.{component}")
+
+
+def fields(**values: object) -> dict[str, object]:
+    """``extra`` for a log call: the given fields, without those that are ``None``."""
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def record_fields(record: logging.LogRecord) -> dict[str, object]:
+    """The fields a record carries (what came in through ``extra``), in order."""
+    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
+
+
+def _render(value: object) -> str:
+    text = str(value)
+    if not text or any(c.isspace() or c in '="' for c in text):
+        return json.dumps(text)
+    return text
+
+
+class KeyValueFormatter(logging.Formatter):
+    """``time level logger: message key=value ...``; values with spaces, ``=`` or
+    quotes are JSON-quoted so a line always splits back into its fields."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extra = record_fields(record)
+        if not extra:
+            return line
+        head, newline, rest = line.partition("\n")
+        pairs = " ".join(f"{key}={_render(value)}" for key, value in extra.items())
+        return f"{head} {pairs}{newline}{rest}"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts``, ``level``, ``logger``, ``message``, then
+    the record's fields (``exc`` holds a traceback when there is one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {
+            "ts": record.created,
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in record_fields(record).items():
+            entry.setdefault(key, value if isinstance(value, int | float | bool) else str(value))
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+_HANDLER_MARK: Final = "_tspd_configured"
+
+
+def configure_logging(
+    level: int | str = logging.WARNING, *, json: bool = False, stream: TextIO | None = None
+) -> logging.Handler:
+    """Show tspd's logs at ``level`` and above on ``stream`` (standard error by
+    default), as ``key=value`` lines or (``json=True``) JSON lines. For the ``tspd``
+    commands and small hosts; applications with their own logging setup need not
+    call it. Calling it again replaces the handler it installed before."""
+    logger = logging.getLogger(ROOT)
+    for handler in list(logger.handlers):
+        if getattr(handler, _HANDLER_MARK, False):
+            logger.removeHandler(handler)
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter() if json else KeyValueFormatter())
+    setattr(handler, _HANDLER_MARK, True)
+    logger.addHandler(handler)
+    logger.setLevel(level.upper() if isinstance(level, str) else level)
+    return handler
+
+
+def log_command(logger: logging.Logger, command: Command, **context: object) -> bool:
+    """Log a core's :class:`Log` or :class:`RoomFailed` command on ``logger`` with
+    ``context`` (``side=``, ``rank=``...) as fields; ``True`` if it was one of them.
+
+    A failure is one WARNING line with its reason and ``reason_class`` (and
+    ``timeout_stage`` for a timeout). The core also queues a ``Log`` restating the
+    failure; when both reach this function, only the :class:`RoomFailed` line is
+    written, so every failure is exactly one line.
+    """
+    if isinstance(command, RoomFailed):
+        if logger.isEnabledFor(logging.WARNING):
+            logger.warning(
+                "room %d failed: %s",
+                command.room,
+                command.reason,
+                extra=fields(
+                    room=command.room,
+                    reason_class=str(command.reason_class),
+                    timeout_stage=command.timeout_stage,
+                    **context,
+                ),
+            )
+        return True
+    if isinstance(command, Log):
+        level = LEVELS[command.level]
+        if logger.isEnabledFor(level) and not _restates_failure(command):
+            logger.log(level, "%s", command.message, extra=fields(room=command.room, **context))
+        return True
+    return False
+
+
+def _restates_failure(command: Log) -> bool:
+    """Whether ``command`` is the core's own restatement of a room failure (the
+    :class:`RoomFailed` command beside it is logged instead)."""
+    return (
+        command.room is not None
+        and command.level is LogLevel.WARNING
+        and command.message.startswith(f"room {command.room} failed: ")
+    )
