@@ -185,21 +185,40 @@ async def test_close_flushes_the_queue_within_its_bound(
     assert elapsed < 3.0  # bounded by close_timeout (1 s) plus scheduling slack
 
 
+class _SlowSend:
+    """Wraps the PUB socket: every send blocks for ``delay`` (a saturated link)."""
+
+    def __init__(self, inner: TrioSocket, delay: float) -> None:
+        self._inner = inner
+        self._delay = delay
+
+    def send_multipart_nowait(self, frames: list[bytes]) -> bool:
+        time.sleep(self._delay)
+        return self._inner.send_multipart_nowait(frames)
+
+    def close(self, linger: int = 0) -> None:
+        self._inner.close(linger)
+
+
 async def test_close_reports_what_it_could_not_send(
     ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = _config(f"ipc://{ipc_dir}/p", max_queue_size=100)
-    async with open_kv_publisher(config, ctx=ctx, close_timeout=0.0) as pub:
-        for _ in range(40):
-            pub.publish_nowait(EVENTS)
+    n = 600
+    config = _config(f"ipc://{ipc_dir}/p", max_queue_size=n)
+    async with open_kv_publisher(config, ctx=ctx, close_timeout=0.05) as pub:
+        pub._pub = _SlowSend(pub._pub, 0.001)  # type: ignore[assignment]
+        for _ in range(n):
+            assert pub.publish_nowait(EVENTS)
     stats = pub.statistics()
-    assert stats.batches_dropped == 40 - stats.batches_published
-    assert stats.batches_dropped > 0
-    assert "still queued" in caplog.text
+    # The sender takes at most two chunks of 256 before the bound is noticed.
+    assert stats.batches_published <= 512
+    assert stats.batches_dropped == n - stats.batches_published
+    assert f"closed with {stats.batches_dropped} batches still queued" in caplog.text
     # After close, publishing drops and counts instead of raising.
     assert not pub.publish_nowait(EVENTS)
     await trio.to_thread.run_sync(pub.publish, EVENTS)
     assert pub.statistics().batches_dropped == stats.batches_dropped + 2
+    assert "is closed; dropping a batch" in caplog.text
 
 
 async def _request(dealer: TrioSocket, start: bytes | int) -> list[tuple[int, bytes]]:
