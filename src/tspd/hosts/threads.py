@@ -48,6 +48,7 @@ __all__ = [
     "ThreadedDecode",
     "ThreadedPrefill",
     "ThreadedSubscriber",
+    "TrioFuture",
     "TrioThread",
     "open_trio_thread",
 ]
@@ -61,6 +62,35 @@ CLOSE_TIMEOUT = 10.0
 
 #: How long ``poll()`` waits for one poll round before raising ``TimeoutError``.
 POLL_TIMEOUT = 30.0
+
+
+@final
+class TrioFuture(concurrent.futures.Future[T]):
+    """The future of a Trio task started from another thread.
+
+    Unlike a plain ``concurrent.futures.Future``, :meth:`cancel` also works while
+    the task runs: it cancels the task's Trio cancel scope and returns ``True``;
+    once the task has unwound, :meth:`result` raises
+    ``concurrent.futures.CancelledError`` (and :meth:`cancelled` stays ``False``,
+    as the future was already running).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cancel_hook: Callable[[], None] | None = None
+        self._cancel_requested = False
+
+    def cancel(self) -> bool:
+        """Cancel the call: before it started, as any future; while it runs, by
+        cancelling its Trio task. ``False`` once it finished."""
+        if super().cancel():
+            return True
+        hook = self._cancel_hook
+        if hook is None or self.done():
+            return False
+        self._cancel_requested = True
+        hook()
+        return True
 
 
 @final
@@ -161,11 +191,12 @@ class TrioThread:
         self._post_or_fail(future, run)
         return future
 
-    def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
+    def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> TrioFuture[T]:
         """Start the Trio async function ``fn(*args)`` as a task and return at once;
-        ``future.cancel()`` cancels the task, and its result or error lands in the
-        future. A host shutdown fails it with :class:`BridgeClosed`."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        its result or error lands in the future. ``future.cancel()`` cancels the task
+        even while it runs (see :class:`TrioFuture`). A host shutdown fails it with
+        :class:`BridgeClosed`."""
+        future: TrioFuture[T] = TrioFuture()
 
         def spawn() -> None:
             if self._nursery is None or future.done():
@@ -232,25 +263,33 @@ class TrioThread:
 
     async def _task(
         self,
-        future: concurrent.futures.Future[T],
+        future: TrioFuture[T],
         fn: Callable[..., Awaitable[T]],
         args: tuple[Any, ...],
     ) -> None:
+        scope = trio.CancelScope()
+        future._cancel_hook = lambda: self._cancel_from_any_thread(scope)
         if not future.set_running_or_notify_cancel():
             return
         try:
-            with trio.CancelScope() as scope:
-                future.add_done_callback(lambda _: self._cancel_from_any_thread(scope))
+            with scope:
                 try:
                     future.set_result(await fn(*args))
                 except Exception as exc:
                     future.set_exception(exc)
         finally:
             if not future.done():
-                future.set_exception(self._closed_error("stopped before the call finished"))
+                if future._cancel_requested:
+                    future.set_exception(
+                        concurrent.futures.CancelledError(
+                            f"{getattr(fn, '__qualname__', fn)} was cancelled in {self._name}"
+                        )
+                    )
+                else:
+                    future.set_exception(self._closed_error("stopped before the call finished"))
 
     def _cancel_from_any_thread(self, scope: trio.CancelScope) -> None:
-        if self._token is None or scope.cancel_called:
+        if self._token is None:
             return
         try:
             self._token.run_sync_soon(scope.cancel)
@@ -353,7 +392,7 @@ class ThreadedPrefill:
         """Arm layerwise chunks for the coming forward (posted)."""
         return self._outbox.arm_layerwise(rows)
 
-    def poll_nowait(self) -> concurrent.futures.Future[list[Event]]:
+    def poll_nowait(self) -> TrioFuture[list[Event]]:
         """Start one poll round and return at once; the events land in the future."""
         return self._host.submit(self.peer.poll)
 
@@ -403,7 +442,7 @@ class ThreadedDecode:
 
         return self._host.post(send)
 
-    def poll_nowait(self) -> concurrent.futures.Future[list[Event]]:
+    def poll_nowait(self) -> TrioFuture[list[Event]]:
         """Start one poll round and return at once; the events land in the future."""
         return self._host.submit(self.peer.poll)
 

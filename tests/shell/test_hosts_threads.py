@@ -1,0 +1,290 @@
+"""A plain-thread host drives the PD peers and KV events through a background Trio thread.
+
+The "engine" is a scheduler loop in an ordinary thread: it registers requests,
+polls, hands KV over, publishes its events and reads them back through
+:mod:`tspd.hosts.threads`, whose entry points return at once; then errors that
+cross, futures that cancel Trio tasks, and a crash of the Trio thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import trio
+
+from tspd.core.commands import Bootstrapped, Event, Failed, RemotePrefillDone, Succeeded
+from tspd.core.errors import ProtocolError
+from tspd.core.kv_events import AllBlocksCleared, BlockStored, KVEvent
+from tspd.hosts.bridge import BridgeClosed
+from tspd.hosts.local import LocalPD, Prompt
+from tspd.hosts.threads import (
+    ThreadedDecode,
+    ThreadedPrefill,
+    ThreadedSubscriber,
+    TrioThread,
+    open_trio_thread,
+)
+from tspd.shell.kv_subscriber import ReceivedBatch
+
+PROMPT = 10
+
+
+@pytest.fixture
+def pd() -> Iterator[LocalPD]:
+    rig = LocalPD()
+    yield rig
+    rig.close()
+
+
+def _read_stored(sub: ThreadedSubscriber, count: int, limit: float = 20.0) -> list[KVEvent]:
+    stored: list[KVEvent] = []
+    deadline = time.monotonic() + limit
+    while len(stored) < count and time.monotonic() < deadline:
+        item = sub.get(timeout=0.1)
+        if isinstance(item, ReceivedBatch):
+            stored.extend(e for e in item.batch.events if isinstance(e, BlockStored))
+    return stored
+
+
+def _join(host: TrioThread, pub: Any, sub: ThreadedSubscriber) -> None:
+    """Announce an empty cache until the subscriber saw a batch (the PUB connects
+    asynchronously; earlier batches are healed by replay)."""
+    for _ in range(200):
+        pub.publish([AllBlocksCleared()])
+        item = sub.get(timeout=0.05)
+        while item is not None:
+            if isinstance(item, ReceivedBatch):
+                return
+            item = sub.get(timeout=0.01)
+    raise AssertionError("the KV-event subscriber never saw the publisher")
+
+
+def _scheduler(host: TrioThread, pd: LocalPD, rids: list[str]) -> dict[str, Any]:
+    server = host.enter(pd.bootstrap_server())
+    prefill = ThreadedPrefill(host, host.enter(pd.prefill_peer(server.address)))
+    decode = ThreadedDecode(host, host.enter(pd.decode_peer()))
+    sub = ThreadedSubscriber(host, host.enter(pd.subscriber()))
+    pub = host.enter(pd.publisher())
+    _join(host, pub, sub)
+
+    rooms = {rid: 2000 + i for i, rid in enumerate(rids)}
+    posted = []
+    for rid, room in rooms.items():
+        posted.append(decode.register_request(rid, room, server.address))
+        posted.append(prefill.register_request(rid, room))
+    prompts: dict[str, Prompt] = {}
+    manifests = {}
+    prefill_done: dict[str, Event] = {}
+    decode_done: dict[str, Event] = {}
+    hand_over_seconds: list[float] = []
+    deadline = time.monotonic() + 20
+    while len(prefill_done) < len(rids) or len(decode_done) < len(rids):
+        assert time.monotonic() < deadline, (prefill_done, decode_done)
+        for event in decode.poll():
+            if isinstance(event, Bootstrapped):
+                manifests[event.rid] = pd.preallocation(rooms[event.rid], PROMPT)
+                decode.send_preallocation(rooms[event.rid], manifests[event.rid])
+            elif isinstance(event, RemotePrefillDone | Failed):
+                decode_done[event.rid] = event
+        for event in prefill.poll():
+            if isinstance(event, Bootstrapped):
+                prompt = prompts[event.rid] = pd.prompt(event.rid, rooms[event.rid], PROMPT)
+                started = time.monotonic()
+                prefill.hand_over([prompt.row])
+                hand_over_seconds.append(time.monotonic() - started)
+            elif isinstance(event, Succeeded | Failed):
+                prefill_done[event.rid] = event
+                if isinstance(event, Succeeded):
+                    pub.publish(pd.stored_events(prompts[event.rid]))
+        time.sleep(0.002)
+    for future in posted:
+        assert future.result(timeout=1) is None
+    stored = _read_stored(sub, (PROMPT // 4) * len(rids))
+    return {
+        "prefill": prefill_done,
+        "decode": decode_done,
+        "mismatches": {rid: pd.verify(rooms[rid], manifests[rid]) for rid in decode_done},
+        "tokens": {rid: pd.expected_token(room) for rid, room in rooms.items()},
+        "stored": stored,
+        "expected": [e for rid in rids for e in pd.stored_events(prompts[rid])],
+        "hand_over_seconds": hand_over_seconds,
+        "decode_rooms": decode.statistics()["rooms"],
+    }
+
+
+def test_a_scheduler_thread_serves_requests_end_to_end(pd: LocalPD) -> None:
+    rids = ["x", "y", "z"]
+    with open_trio_thread() as host:
+        report = _scheduler(host, pd, rids)
+    assert not host.running
+    assert all(isinstance(e, Succeeded) for e in report["prefill"].values()), report["prefill"]
+    for rid in rids:
+        event = report["decode"][rid]
+        assert isinstance(event, RemotePrefillDone), event
+        assert event.bootstrap_token == report["tokens"][rid]
+        assert report["mismatches"][rid] == []
+    assert report["stored"] == report["expected"]
+    assert report["decode_rooms"] == 0
+    assert len(report["hand_over_seconds"]) == len(rids)
+
+
+def test_entry_points_return_while_the_transfer_hangs(pd: LocalPD) -> None:
+    """A hand-over whose write hangs still returns at once; the poll sees the
+    request in flight, never blocks on it."""
+    with open_trio_thread() as host:
+        server = host.enter(pd.bootstrap_server())
+        peer = host.enter(pd.prefill_peer(server.address))
+        prefill = ThreadedPrefill(host, peer)
+        decode = ThreadedDecode(host, host.enter(pd.decode_peer()))
+        decode_peer = decode.peer
+        peer.engine.hang_next(decode_peer.session_id, seconds=1.0)
+        decode.register_request("slow", 7, server.address)
+        prefill.register_request("slow", 7)
+        deadline = time.monotonic() + 10
+        prompt = None
+        while prompt is None:
+            assert time.monotonic() < deadline
+            for event in decode.poll():
+                if isinstance(event, Bootstrapped):
+                    decode.send_preallocation(7, pd.preallocation(7, PROMPT))
+            for event in prefill.poll():
+                if isinstance(event, Bootstrapped):
+                    prompt = pd.prompt("slow", 7, PROMPT)
+            time.sleep(0.002)
+        started = time.monotonic()
+        future = prefill.hand_over([prompt.row])
+        returned = time.monotonic() - started
+        future.result(timeout=1)
+        time.sleep(0.2)
+        polled = time.monotonic()
+        events = prefill.poll()
+        poll_seconds = time.monotonic() - polled
+        in_flight = host.call_sync(peer.has_in_flight)
+        prefill.abort(7, "the test gave up on the hung write").result(timeout=1)
+    assert returned < 0.5
+    assert poll_seconds < 1.0
+    assert not any(isinstance(e, Succeeded) for e in events)
+    assert in_flight
+
+
+def test_errors_cross_to_the_calling_thread(pd: LocalPD) -> None:
+    async def fails() -> None:
+        await trio.lowlevel.checkpoint()
+        raise KeyError("from trio")
+
+    with open_trio_thread() as host:
+        server = host.enter(pd.bootstrap_server())
+        prefill = ThreadedPrefill(host, host.enter(pd.prefill_peer(server.address)))
+        future = prefill.register_request("bad", -1)
+        with pytest.raises(ProtocolError, match="bootstrap_room -1 of request bad"):
+            future.result(timeout=5)
+        with pytest.raises(KeyError, match="from trio"):
+            host.call(fails)
+        with pytest.raises(KeyError, match="from trio"):
+            host.submit(fails).result(timeout=5)
+        with pytest.raises(TimeoutError, match=r"did not finish within 0\.05 s"):
+            host.call(trio.sleep_forever, timeout=0.05)
+
+
+def test_cancelling_a_running_future_cancels_its_trio_task() -> None:
+    unwound = threading.Event()
+
+    async def forever() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            unwound.set()
+
+    with open_trio_thread() as host:
+        future = host.submit(forever)
+        deadline = time.monotonic() + 5
+        while not future.running():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert future.cancel()
+        assert unwound.wait(5)
+        with pytest.raises(concurrent.futures.CancelledError, match="forever was cancelled"):
+            future.result(timeout=5)
+        assert host.running
+        assert not future.cancel()
+
+
+def test_a_call_in_flight_when_the_host_closes_fails_with_bridge_closed() -> None:
+    with open_trio_thread() as host:
+        future = host.submit(trio.sleep_forever)
+        host.call(trio.sleep, 0.01)
+    with pytest.raises(BridgeClosed, match="stopped before the call finished"):
+        future.result(timeout=1)
+
+
+def test_a_future_cancelled_before_it_ran_never_runs() -> None:
+    ran: list[str] = []
+
+    async def work() -> None:
+        ran.append("ran")
+        await trio.lowlevel.checkpoint()
+
+    with open_trio_thread() as host:
+        gate = threading.Event()
+        host.post(gate.wait, 5)
+        future = host.submit(work)
+        assert future.cancel()
+        gate.set()
+        host.call(trio.sleep, 0.05)
+    assert ran == []
+
+
+def test_a_crash_of_the_trio_thread_fails_calls_and_is_raised_on_close() -> None:
+    async def crash(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep(0.02)
+        raise RuntimeError("service crashed")
+
+    host = TrioThread("crashy")
+    host.start_thread()
+    host.start(crash)
+    deadline = time.monotonic() + 5
+    while host.running:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    with pytest.raises(BridgeClosed, match="crashed: RuntimeError"):
+        host.post(int).result(timeout=1)
+    with pytest.raises(RuntimeError, match="service crashed"):
+        host.close()
+
+
+def test_services_close_newest_first() -> None:
+    order: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def service(name: str) -> Any:
+        await trio.lowlevel.checkpoint()
+        try:
+            yield name
+        finally:
+            order.append(name)
+
+    with open_trio_thread() as host:
+        names = [host.enter(service(n)) for n in ("bootstrap", "prefill", "decode")]
+    assert names == ["bootstrap", "prefill", "decode"]
+    assert order == ["decode", "prefill", "bootstrap"]
+
+
+def test_posts_run_in_order_from_many_threads() -> None:
+    seen: list[tuple[int, int]] = []
+    with open_trio_thread() as host:
+
+        def producer(tid: int) -> list[concurrent.futures.Future[None]]:
+            return [host.post(seen.append, (tid, i)) for i in range(200)]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [f for fs in pool.map(producer, range(4)) for f in fs]
+        concurrent.futures.wait(futures, timeout=5)
+    for tid in range(4):
+        assert [i for t, i in seen if t == tid] == list(range(200))
