@@ -9,6 +9,7 @@ from tspd.cli import LazyGroup
 # name -> "module:attribute" of the benchmark's click command.
 _BENCHMARKS: dict[str, str] = {
     "core": "tspd.bench.core:core",
+    "pd": "tspd.bench.pd:pd",
     "events": "tspd.bench.events:events",
     "rooms": "tspd.bench.rooms:rooms",
 }

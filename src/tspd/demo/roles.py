@@ -103,10 +103,11 @@ def _check_capacity(opts: RoleOptions, contract: CacheContract) -> None:
     grain = min(spec.block_granularity for spec in contract.group_specs)
     most = max(opts.workload.prompt_len(room, contract) for room in opts.workload.rooms[:4096])
     need = opts.in_flight * -(-most // grain)
-    if need > opts.workload.num_pages and opts.workload.contract_file is None:
+    have = min(contract.page_count(gid) - 1 for gid in contract.group_ids)
+    if need > have:
         raise ConfigError(
             f"{opts.in_flight} rooms in flight of up to {most} tokens need {need} pages; "
-            f"the arena has {opts.workload.num_pages}: lower --in-flight or raise --pages"
+            f"the arena has {have}: lower --in-flight or raise --pages"
         )
 
 

@@ -1,0 +1,211 @@
+"""``tspd bench pd``: the PD control plane's figures beside the raw limits of the same run.
+
+Every tspd figure comes from real processes on 127.0.0.1 — a bootstrap server, one
+Prefill rank and one Decode rank (``tspd demo`` roles), Mooncake over TCP, bytes
+verified on the Decode side — and is printed beside the raw limit measured in the
+same run, straight through Mooncake and pyzmq with no tspd code in between:
+
+* **rooms/s** with small rooms (one 4 KiB page each) and many in flight, and the
+  **CPU seconds per room** of each side over that run; beside them, a bare 4 KiB
+  Mooncake write and a bare ZMQ round trip;
+* **hand-over → Decode completion** p50/p99 with one room in flight (the Prefill's
+  hand-over call to the Decode scheduler's completion event); beside it, the same
+  bare write and round trip;
+* **effective GB/s for a 64 MiB room** of 16,384 × 4 KiB pages, allocated
+  contiguously and scattered (bytes / hand-over → completion); beside them, one
+  64 MiB write and the same bytes as 16,384 separate descriptors.
+
+Nothing here asserts a speed; the figures depend on the machine (on a 2-core VM
+every Mooncake write busy-spins a core, so the processes compete for CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import click
+import trio
+
+from tspd.bench.raw import MooncakeLimit, ZmqLimit, measure_mooncake, measure_zmq_rtt
+from tspd.demo.orchestrate import DemoOptions, DemoSummary, percentile, run_demo
+from tspd.demo.workload import Workload
+from tspd.testing.layouts import simple_contract
+
+__all__ = ["PdFigures", "pd", "run_pd_bench"]
+
+PAGE = 4096
+BIG_PAGES = 16384  # 64 MiB in 4 KiB pages
+
+
+@dataclass(frozen=True, slots=True)
+class PdFigures:
+    """Everything ``tspd bench pd`` measured."""
+
+    throughput: DemoSummary
+    latency: DemoSummary
+    contiguous: DemoSummary
+    scattered: DemoSummary
+    in_flight: int
+    small_write: MooncakeLimit
+    big_write: MooncakeLimit
+    big_scattered_write: MooncakeLimit
+    zmq: ZmqLimit
+
+
+def _contract_file(directory: str, pages: int) -> str:
+    path = Path(directory) / f"contract-{pages}.json"
+    path.write_bytes(simple_contract(num_pages=pages, page_bytes=PAGE).to_json())
+    return str(path)
+
+
+async def _demo(workload: Workload, *, in_flight: int, scatter: bool = False) -> DemoSummary:
+    summary = await run_demo(
+        DemoOptions(
+            workload=workload,
+            prefill_tp=1,
+            decode_tp=1,
+            in_flight=in_flight,
+            scatter=scatter,
+            timeout=600,
+        )
+    )
+    if summary.errors:
+        raise click.ClickException("benchmark run failed: " + "; ".join(summary.errors))
+    return summary
+
+
+async def run_pd_bench(*, quick: bool = False) -> PdFigures:
+    """Run every measurement (``quick``: far fewer rooms, for smoke tests)."""
+    small_rooms = 300 if quick else 4000
+    latency_rooms = 40 if quick else 400
+    big_rooms = 1 if quick else 3
+    in_flight = 64 if quick else 256
+    with tempfile.TemporaryDirectory(prefix="tspd-bench-pd-") as directory:
+        small = _contract_file(directory, in_flight + 8)
+        big = _contract_file(directory, BIG_PAGES + 8)
+        throughput = await _demo(
+            Workload(rooms=range(1, 1 + small_rooms), contract_file=small, fixed_prompt_pages=1),
+            in_flight=in_flight,
+        )
+        latency = await _demo(
+            Workload(rooms=range(1, 1 + latency_rooms), contract_file=small, fixed_prompt_pages=1),
+            in_flight=1,
+        )
+        contiguous = await _demo(
+            Workload(
+                rooms=range(1, 1 + big_rooms), contract_file=big, fixed_prompt_pages=BIG_PAGES
+            ),
+            in_flight=1,
+        )
+        scattered = await _demo(
+            Workload(
+                rooms=range(1, 1 + big_rooms), contract_file=big, fixed_prompt_pages=BIG_PAGES
+            ),
+            in_flight=1,
+            scatter=True,
+        )
+    small_write = await trio.to_thread.run_sync(
+        lambda: measure_mooncake(PAGE, repeats=200 if quick else 2000)
+    )
+    big_write = await trio.to_thread.run_sync(
+        lambda: measure_mooncake(BIG_PAGES * PAGE, repeats=3 if quick else 9)
+    )
+    big_scattered_write = await trio.to_thread.run_sync(
+        lambda: measure_mooncake(BIG_PAGES * PAGE, descriptors=BIG_PAGES, repeats=2 if quick else 5)
+    )
+    zmq_rtt = await trio.to_thread.run_sync(lambda: measure_zmq_rtt(repeats=300 if quick else 3000))
+    return PdFigures(
+        throughput=throughput,
+        latency=latency,
+        contiguous=contiguous,
+        scattered=scattered,
+        in_flight=in_flight,
+        small_write=small_write,
+        big_write=big_write,
+        big_scattered_write=big_scattered_write,
+        zmq=zmq_rtt,
+    )
+
+
+def _us(seconds: float) -> str:
+    if math.isnan(seconds):
+        return "n/a"
+    return f"{seconds * 1e6:,.0f} µs" if seconds < 1e-2 else f"{seconds * 1e3:,.1f} ms"
+
+
+def _room_gbps(summary: DemoSummary) -> float:
+    if not summary.handover_latencies:
+        return math.nan
+    return BIG_PAGES * PAGE / percentile(summary.handover_latencies, 0.5) / 1e9
+
+
+def _ok(summary: DemoSummary) -> str:
+    return "" if summary.ok else f" ({summary.failed} rooms FAILED)"
+
+
+def rows(figures: PdFigures) -> list[tuple[str, str, str]]:
+    """``(figure, tspd, raw limit)`` rows of the report."""
+    f = figures
+    rtt = f"ZMQ round trip p50 {_us(f.zmq.p50)}"
+    write = f"bare 4 KiB write p50 {_us(f.small_write.p50)} / p99 {_us(f.small_write.p99)}"
+    return [
+        (
+            f"rooms/s, 1 × 4 KiB page, {f.in_flight} in flight",
+            f"{f.throughput.rooms_per_s:,.0f}{_ok(f.throughput)}",
+            f"{write}; {rtt}",
+        ),
+        (
+            "CPU per room, Prefill / Decode",
+            f"{_us(f.throughput.cpu_per_room('prefill'))} / "
+            f"{_us(f.throughput.cpu_per_room('decode'))}",
+            "—",
+        ),
+        (
+            "hand-over → Decode done, 1 in flight, p50 / p99",
+            f"{_us(percentile(f.latency.handover_latencies, 0.5))} / "
+            f"{_us(percentile(f.latency.handover_latencies, 0.99))}{_ok(f.latency)}",
+            f"{write}; ZMQ round trip p50 {_us(f.zmq.p50)} / p99 {_us(f.zmq.p99)}",
+        ),
+        (
+            "64 MiB room, 16,384 × 4 KiB pages, contiguous",
+            f"{_room_gbps(f.contiguous):.3f} GB/s{_ok(f.contiguous)}",
+            f"one 64 MiB write {f.big_write.gbps:.3f} GB/s",
+        ),
+        (
+            "64 MiB room, 16,384 × 4 KiB pages, scattered",
+            f"{_room_gbps(f.scattered):.3f} GB/s{_ok(f.scattered)}",
+            f"16,384 × 4 KiB descriptors {f.big_scattered_write.gbps:.3f} GB/s; "
+            f"one 64 MiB write {f.big_write.gbps:.3f} GB/s",
+        ),
+    ]
+
+
+@click.command()
+@click.option("--quick", is_flag=True, help="Far fewer rooms (a smoke run, noisy figures).")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def pd(quick: bool, as_json: bool) -> None:
+    """PD rooms/s, latency and GB/s on real processes, beside bare Mooncake and ZMQ."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    figures = trio.run(partial(run_pd_bench, quick=quick))
+    table_rows = rows(figures)
+    if as_json:
+        out: dict[str, Any] = {name: {"tspd": value, "raw": raw} for name, value, raw in table_rows}
+        click.echo(json.dumps(out, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="tspd bench pd — Prefill TP1 → Decode TP1, Mooncake TCP on 127.0.0.1")
+    table.add_column("figure")
+    table.add_column("tspd", justify="right")
+    table.add_column("raw limit, same run")
+    for row in table_rows:
+        table.add_row(*row)
+    Console().print(table)

@@ -1,0 +1,195 @@
+"""Raw limits measured beside tspd's figures: a bare Mooncake write, a bare ZMQ round trip.
+
+Each limit runs in the same benchmark run as the figure it bounds, between two
+processes on 127.0.0.1 like the peers themselves: a helper process (started with
+this interpreter) owns the target side and prints what the initiator needs as
+one JSON line; the initiator measures. Nothing here goes through tspd's own code,
+so the gap between a tspd figure and its limit is what the control plane costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "MooncakeLimit",
+    "ZmqLimit",
+    "bare_mooncake_target",
+    "bare_zmq_echo",
+    "measure_mooncake",
+    "measure_zmq_rtt",
+]
+
+_HELPER = "from tspd.bench.raw import {fn}; {fn}({args})"
+
+
+@contextlib.contextmanager
+def _helper(fn: str, args: str = "") -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HELPER.format(fn=fn, args=args)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"benchmark helper {fn} exited before reporting its endpoint")
+        yield proc, json.loads(line)
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def bare_mooncake_target(size: int) -> None:
+    """Helper process: register ``size`` bytes with a Mooncake engine, print where, wait."""
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise SystemExit("Mooncake initialisation failed in the benchmark helper")
+    buf = mmap.mmap(-1, size)
+    addr = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+    if engine.register_memory(addr, size) != 0:
+        raise SystemExit("Mooncake refused to register the benchmark helper's buffer")
+    print(json.dumps({"session": f"127.0.0.1:{engine.get_rpc_port()}", "addr": addr}), flush=True)
+    sys.stdin.read()
+
+
+def bare_zmq_echo() -> None:
+    """Helper process: echo every message from a PULL socket back on a PUSH socket."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    print(json.dumps({"port": port}), flush=True)
+    reply_port = int(pull.recv())
+    push.connect(f"tcp://127.0.0.1:{reply_port}")
+    while True:
+        frames = pull.recv_multipart()
+        if frames == [b"stop"]:
+            return
+        push.send_multipart(frames)
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeLimit:
+    """A bare Mooncake write: seconds per call (p50, p99) and GB/s at the median."""
+
+    nbytes: int
+    descriptors: int
+    p50: float
+    p99: float
+
+    @property
+    def gbps(self) -> float:
+        """Gigabytes per second at the median call time."""
+        return self.nbytes / self.p50 / 1e9
+
+
+def _percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure_mooncake(
+    nbytes: int, *, descriptors: int = 1, repeats: int = 20, warmup: int = 3
+) -> MooncakeLimit:
+    """Time a bare ``batch_transfer_sync_write`` of ``nbytes`` in ``descriptors``
+    equal contiguous slices into a helper process, straight through Mooncake."""
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("Mooncake initialisation failed")
+    buf = mmap.mmap(-1, nbytes)
+    array = np.frombuffer(buf, dtype=np.uint8)
+    array[:] = 7
+    addr = int(array.ctypes.data)
+    if engine.register_memory(addr, nbytes) != 0:
+        raise RuntimeError("Mooncake refused to register the benchmark buffer")
+    slice_bytes = nbytes // descriptors
+    offsets = [i * slice_bytes for i in range(descriptors)]
+    try:
+        with _helper("bare_mooncake_target", str(nbytes)) as (_, target):
+            srcs = [addr + o for o in offsets]
+            dsts = [target["addr"] + o for o in offsets]
+            lengths = [slice_bytes] * descriptors
+            samples: list[float] = []
+            for i in range(warmup + repeats):
+                started = time.perf_counter()
+                for start in range(0, descriptors, 1024):
+                    stop = start + 1024
+                    rc = engine.batch_transfer_sync_write(
+                        target["session"], srcs[start:stop], dsts[start:stop], lengths[start:stop]
+                    )
+                    if rc != 0:
+                        raise RuntimeError(f"bare Mooncake write failed with code {rc}")
+                if i >= warmup:
+                    samples.append(time.perf_counter() - started)
+    finally:
+        engine.unregister_memory(addr)
+    return MooncakeLimit(
+        nbytes=nbytes,
+        descriptors=descriptors,
+        p50=statistics.median(samples),
+        p99=_percentile(samples, 0.99),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ZmqLimit:
+    """A bare ZMQ PUSH/PULL round trip between two processes, seconds."""
+
+    p50: float
+    p99: float
+
+
+def measure_zmq_rtt(*, repeats: int = 2000, warmup: int = 200) -> ZmqLimit:
+    """Round trips of a small 3-frame message to an echoing helper process."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    reply_port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    pull.setsockopt(zmq.LINGER, 0)
+    frames = [b"1000000", b"5", b"0"]
+    samples: list[float] = []
+    try:
+        with _helper("bare_zmq_echo") as (_, echo):
+            push.connect(f"tcp://127.0.0.1:{echo['port']}")
+            push.send(str(reply_port).encode())
+            for i in range(warmup + repeats):
+                started = time.perf_counter()
+                push.send_multipart(frames)
+                pull.recv_multipart()
+                if i >= warmup:
+                    samples.append(time.perf_counter() - started)
+            push.send_multipart([b"stop"])
+    finally:
+        push.close()
+        pull.close()
+        ctx.term()
+    return ZmqLimit(p50=statistics.median(samples), p99=_percentile(samples, 0.99))

@@ -1,0 +1,26 @@
+"""``tspd bench pd --quick`` runs end to end and prints every figure beside its raw limit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("mooncake.engine")
+
+from tspd.cli import main
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_bench_pd_quick_reports_every_figure_with_its_limit() -> None:
+    result = CliRunner().invoke(main, ["bench", "pd", "--quick", "--json"])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.output[result.output.index("{") :])
+    assert len(figures) == 5
+    for name, value in figures.items():
+        assert "FAILED" not in value["tspd"], (name, value)
+        assert value["raw"]
+    assert "rooms/s, 1 × 4 KiB page, 64 in flight" in figures
+    assert figures["64 MiB room, 16,384 × 4 KiB pages, contiguous"]["tspd"].endswith("GB/s")
