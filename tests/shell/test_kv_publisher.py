@@ -438,3 +438,25 @@ async def test_a_batch_whose_send_failed_is_still_replayable(
     assert pub.statistics().send_failures == 1
     assert "publishing KV event batch 1" in caplog.text
     assert "stays in the replay buffer" in caplog.text
+
+
+async def test_a_client_that_stops_reading_does_not_hold_up_another(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str
+) -> None:
+    n = 2000
+    config = _config(f"ipc://{ipc_dir}/p", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=n)
+    async with open_kv_publisher(config, ctx=ctx, replay_sndhwm=20, replay_stall_timeout=60) as pub:
+        assert pub.replay_endpoint is not None
+        for i in range(n):
+            await pub.apublish(_big_events(i))
+        await pub.wait_published(n)
+        async with (
+            _dealer(ctx, pub.replay_endpoint) as stuck,
+            _dealer(ctx, pub.replay_endpoint) as reader,
+        ):
+            stuck.sock.setsockopt(zmq.RCVHWM, 20)
+            await stuck.send_multipart(encode_replay_request(0))  # and never reads
+            await trio.sleep(0.2)
+            with trio.fail_after(20):  # far below the stuck client's 60 s stall bound
+                replayed = await _request(reader, 0)
+    assert [s for s, _ in replayed] == list(range(n))

@@ -18,14 +18,17 @@ Shape of the machinery:
   blocks: at its high-water mark libzmq drops, which subscribers see as a gap) and
   appends every batch to the replay buffer -- also one whose send failed (R-ev), so
   a replay can still fill that gap.
-* One replay task serves requests one at a time from a snapshot of the buffer. The
+* Replay requests are served from a snapshot of the buffer, one at a time per
+  client (up to 8 clients at once), each in its own task. The
   ROUTER's send high-water mark covers the whole buffer, and sends use
   ``ROUTER_MANDATORY`` with backpressure (a full pipe waits instead of dropping, as
   TokenSpeed's replay silently does past 1,000 messages). If a client stops reading
   for ``replay_stall_timeout`` the replay is cut short: the end marker follows the
   last batch actually sent, so the client sees exactly where the run stopped and
-  that its gap is still open. The replay task yields to the sender regularly, so a
-  long replay never holds up live publishing.
+  that its gap is still open (if even the end marker cannot go out, the client's
+  own replay timeout ends its wait). Replay tasks yield to the sender regularly,
+  so a long replay never holds up live publishing, and a stuck client holds up
+  only its own replays.
 * Closing stops accepting batches, sends what is queued for up to
   ``close_timeout`` (1 s, TokenSpeed's ``SHUTDOWN_TIMEOUT``), then logs and counts
   what it dropped. ``publish`` after close drops and counts (R-ev) rather than raise.
@@ -94,6 +97,8 @@ REPLAY_STALL_TIMEOUT: Final = 5.0
 _SEND_BATCH: Final = 256
 # Replayed messages sent between two yields to the sender task.
 _REPLAY_YIELD_EVERY: Final = 64
+# Replays served at the same time (to different clients).
+_REPLAY_CONCURRENCY: Final = 8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -303,6 +308,7 @@ class KVEventPublisher:
         self._replay_batches = 0
         self._replays_cut_short = 0
         self._warned_closed = False
+        self._client_locks: dict[bytes, trio.StrictFIFOLock] = {}
 
     # -- the public face ---------------------------------------------------------
 
@@ -425,15 +431,38 @@ class KVEventPublisher:
         self._drained.set()
 
     async def _run_replay(self, router: TrioSocket) -> None:
-        while True:
-            frames = await router.recv_multipart()
-            try:
-                request = decode_replay_request(frames)
-            except WireError as exc:
-                self._replays_invalid += 1
-                log.warning("%s on %s; ignored", exc, self._replay_endpoint)
-                continue
-            await self._serve_replay(router, request)
+        """Receive requests; serve each in its own task, one at a time per client.
+
+        A client that stops reading then holds up only its own replays (and one of
+        :data:`_REPLAY_CONCURRENCY` slots, for a bounded time), never other
+        clients' or live publishing.
+        """
+        limiter = trio.CapacityLimiter(_REPLAY_CONCURRENCY)
+        async with trio.open_nursery() as nursery:
+            while True:
+                frames = await router.recv_multipart()
+                try:
+                    request = decode_replay_request(frames)
+                except WireError as exc:
+                    self._replays_invalid += 1
+                    log.warning("%s on %s; ignored", exc, self._replay_endpoint)
+                    continue
+                lock = self._client_locks.setdefault(request.client, trio.StrictFIFOLock())
+                nursery.start_soon(self._serve_in_turn, router, request, lock, limiter)
+
+    async def _serve_in_turn(
+        self,
+        router: TrioSocket,
+        request: ReplayRequest,
+        lock: trio.StrictFIFOLock,
+        limiter: trio.CapacityLimiter,
+    ) -> None:
+        try:
+            async with lock, limiter:
+                await self._serve_replay(router, request)
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._client_locks.pop(request.client, None)
 
     async def _serve_replay(self, router: TrioSocket, request: ReplayRequest) -> None:
         batches = self._buffer.since(request.start_seq)
@@ -471,6 +500,13 @@ class KVEventPublisher:
         end = await self._send_replay(router, end_marker_frames(request.client))
         if end == _ReplaySend.SENT:
             self._replays_served += 1
+        elif end == _ReplaySend.STALLED:
+            log.warning(
+                "KV event replay to client %s: the end marker could not be sent either "
+                "(nothing read for %.1f s); the client's own replay timeout ends its wait",
+                request.client.hex(),
+                self._replay_stall_timeout,
+            )
 
     async def _send_replay(self, router: TrioSocket, frames: list[bytes]) -> str:
         """Send with backpressure: a full pipe waits (bounded) instead of dropping."""
