@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
@@ -33,7 +33,7 @@ PROMPT = 10
 Scenario = Callable[[TrioBridge], Awaitable[Any]]
 
 
-def _run_asyncio(main: Awaitable[T]) -> T:
+def _run_asyncio(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on asyncio's own loop: once trio-asyncio is imported (the
     other bridge's tests) it replaces the default loop, which guest mode cannot
     share; a real guest-mode host never imports it (``examples/``, run as their own
@@ -284,11 +284,11 @@ def test_the_trio_asyncio_bridge_refuses_a_plain_asyncio_loop() -> None:
 
 
 def test_the_guest_refuses_calls_after_it_closed() -> None:
-    async def main() -> None:
+    async def main() -> tuple[bool, bool]:
         async with open_trio_guest() as guest:
-            assert guest.running
-        assert not guest.running
+            inside = guest.running
         with pytest.raises(BridgeClosed, match="closed"):
             await guest.run(trio.sleep, 0)
+        return inside, guest.running
 
-    _run_asyncio(main())
+    assert _run_asyncio(main()) == (True, False)

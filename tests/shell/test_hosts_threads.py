@@ -31,6 +31,7 @@ from tspd.hosts.threads import (
     open_trio_thread,
 )
 from tspd.shell.kv_subscriber import ReceivedBatch
+from tspd.testing.fake_engine import AsyncFakeEngine
 
 PROMPT = 10
 
@@ -143,7 +144,9 @@ def test_entry_points_return_while_the_transfer_hangs(pd: LocalPD) -> None:
         prefill = ThreadedPrefill(host, peer)
         decode = ThreadedDecode(host, host.enter(pd.decode_peer()))
         decode_peer = decode.peer
-        peer.engine.hang_next(decode_peer.session_id, seconds=1.0)
+        engine = peer.engine
+        assert isinstance(engine, AsyncFakeEngine)
+        engine.hang_next(decode_peer.session_id, seconds=1.0)
         decode.register_request("slow", 7, server.address)
         prefill.register_request("slow", 7)
         deadline = time.monotonic() + 10
