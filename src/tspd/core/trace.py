@@ -290,6 +290,25 @@ class RoomTrace:
             phases[phase] = max(0.0, end - begin)
         return phases
 
+    def as_dict(self) -> dict[str, object]:
+        """The trace as plain JSON-ready data (for an HTTP endpoint or a report)."""
+        return {
+            "room": self.room,
+            "side": str(self.side),
+            "rank": self.rank,
+            "rid": self.rid,
+            "outcome": None if self.outcome is None else str(self.outcome),
+            "reason": self.reason,
+            "reason_class": None if self.reason_class is None else str(self.reason_class),
+            "timeout_stage": self.timeout_stage,
+            "marks": [[str(mark), when] for mark, when in self.marks],
+            "phases": self.phases,
+            "duration": self.duration,
+            "bytes": self.bytes,
+            "descriptors": self.descriptors,
+            "chunks": self.chunks,
+        }
+
     def describe(self) -> str:
         """One line for a log or a terminal: what the room is, how it ended, and each
         milestone as seconds since the first."""
