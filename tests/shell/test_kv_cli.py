@@ -164,3 +164,20 @@ def test_publish_refuses_unsupported_endpoints() -> None:
     result = _invoke(["events", "publish", "--endpoint", "inproc://x", "--count", "1"])
     assert result.exit_code != 0
     assert "inproc:// is private" in result.output
+
+
+def test_tail_dp_ranks_option_checks_its_arguments() -> None:
+    ok = _invoke(
+        ["events", "tail", "tcp://*:1", "--dp-ranks", "0,1", "--duration", "0.2", "--json"]
+    )
+    assert ok.exit_code == 0, ok.output
+    assert ok.stdout == ""
+    bad = _invoke(["events", "tail", "tcp://*:1", "--dp-ranks", "zero"])
+    assert bad.exit_code == 2
+    assert "--dp-ranks" in bad.output
+    ipc = _invoke(["events", "tail", "ipc:///tmp/x", "--dp-ranks", "1"])
+    assert ipc.exit_code == 2
+    assert "only tcp:// endpoints can be offset" in ipc.output
+    both = _invoke(["events", "tail", "tcp://*:1", "--dp-ranks", "1", "--bind"])
+    assert both.exit_code == 2
+    assert "cannot go with --dp-ranks" in both.output

@@ -182,6 +182,17 @@ def render_item(item: SubscriberItem, *, show_events: bool) -> list[str]:
     "--count", type=click.IntRange(min=1), default=None, help="Exit after this many batches."
 )
 @click.option("--duration", type=float, default=None, help="Exit after this many seconds.")
+@click.option(
+    "--dp-ranks",
+    default=None,
+    help="Follow these DP ranks (e.g. 0,1,2): each moves the TCP ports like the publisher.",
+)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="With --dp-ranks: the host that replaces a wildcard (*) in the endpoints.",
+)
 def tail(
     endpoint: str,
     replay: str | None,
@@ -192,6 +203,8 @@ def tail(
     show_events: bool,
     count: int | None,
     duration: float | None,
+    dp_ranks: str | None,
+    host: str,
 ) -> None:
     """Follow the publisher at ENDPOINT and print what it sends."""
     console = Console(highlight=False, soft_wrap=True)
@@ -203,14 +216,23 @@ def tail(
             for line in render_item(item, show_events=show_events):
                 console.print(line)
 
-    source = EventSource(endpoint, replay, bind=bind)
+    if dp_ranks is None:
+        sources = [EventSource(endpoint, replay, bind=bind)]
+    else:
+        if bind:
+            raise click.UsageError("--bind follows one publisher; it cannot go with --dp-ranks")
+        try:
+            ranks = [int(r) for r in dp_ranks.split(",") if r.strip()]
+            sources = EventSource.for_dp_ranks(endpoint, replay, ranks, host=host)
+        except (ValueError, ConfigError) as exc:
+            raise click.BadParameter(str(exc), param_hint="--dp-ranks") from None
     # Ctrl-C is the normal way to stop following.
     with contextlib.suppress(KeyboardInterrupt):
-        trio.run(_tail, source, topic, catch_up, emit, count, duration)
+        trio.run(_tail, sources, topic, catch_up, emit, count, duration)
 
 
 async def _tail(
-    source: EventSource,
+    sources: list[EventSource],
     topic: str,
     catch_up: bool,
     emit: Callable[[SubscriberItem], None],
@@ -219,7 +241,7 @@ async def _tail(
 ) -> None:
     batches = 0
     with trio.move_on_after(duration if duration is not None else math.inf):
-        async with open_kv_subscriber([source], topic=topic, catch_up=catch_up) as sub:
+        async with open_kv_subscriber(sources, topic=topic, catch_up=catch_up) as sub:
             async for item in sub:
                 emit(item)
                 if isinstance(item, ReceivedBatch):
