@@ -31,6 +31,8 @@ from tspd.hosts.threads import (
     open_trio_thread,
 )
 from tspd.shell.kv_subscriber import ReceivedBatch
+from tspd.shell.prefill import ExtendRow
+from tspd.shell.steps import StepCounter
 from tspd.testing.fake_engine import AsyncFakeEngine
 
 PROMPT = 10
@@ -174,6 +176,51 @@ def test_entry_points_return_while_the_transfer_hangs(pd: LocalPD) -> None:
     assert poll_seconds < 1.0
     assert not any(isinstance(e, Succeeded) for e in events)
     assert in_flight
+
+
+def test_a_forward_thread_arms_layerwise_chunks_without_waiting(pd: LocalPD) -> None:
+    """Arming returns before any producer step completed; the chunks then go out
+    as the forward advances the counter, and Decode gets the bytes."""
+    counter = StepCounter()
+    with open_trio_thread() as host:
+        server = host.enter(pd.bootstrap_server())
+        prefill = ThreadedPrefill(
+            host, host.enter(pd.prefill_peer(server.address, step_counter=counter))
+        )
+        decode = ThreadedDecode(host, host.enter(pd.decode_peer()))
+        decode.register_request("lw", 11, server.address)
+        prefill.register_request("lw", 11)
+        manifest = None
+        prefill_ready = False
+        deadline = time.monotonic() + 10
+        while manifest is None or not prefill_ready:
+            assert time.monotonic() < deadline
+            for event in decode.poll():
+                if isinstance(event, Bootstrapped):
+                    manifest = pd.preallocation(11, PROMPT)
+                    decode.send_preallocation(11, manifest)
+            prefill_ready |= any(isinstance(e, Bootstrapped) for e in prefill.poll())
+            time.sleep(0.002)
+        prompt = pd.prompt("lw", 11, PROMPT)
+        armed = prefill.arm_layerwise([ExtendRow("lw", 0, PROMPT, prompt.row.tables)])
+        assert armed.result(timeout=5) == 0
+        time.sleep(0.05)
+        written_before_steps = prefill.statistics()["bytes_written"]
+        for _ in pd.schedule.steps:
+            counter.advance()
+            time.sleep(0.01)
+        prefill.hand_over([prompt.row])
+        outcome: Event | None = None
+        while outcome is None:
+            assert time.monotonic() < deadline + 10
+            outcome = next(
+                (e for e in decode.poll() if isinstance(e, RemotePrefillDone | Failed)), None
+            )
+            prefill.poll()
+            time.sleep(0.002)
+    assert written_before_steps == 0
+    assert isinstance(outcome, RemotePrefillDone), outcome
+    assert pd.verify(11, manifest) == []
 
 
 def test_errors_cross_to_the_calling_thread(pd: LocalPD) -> None:

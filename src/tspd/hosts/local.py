@@ -26,6 +26,7 @@ from tspd.core.kv_config import KVEventsConfig
 from tspd.core.kv_events import BlockStored, KVEvent, chain_block_hashes
 from tspd.core.manifest import BlockManifest, build_manifest
 from tspd.core.prefill import PrefillConfig
+from tspd.core.schedule import ProducerSchedule
 from tspd.shell.arena import BlockMismatch, HostArena, fill_room, verify_room
 from tspd.shell.bootstrap import BootstrapServer, open_bootstrap_server
 from tspd.shell.decode import DecodePeer, DecodeSettings, open_decode_peer
@@ -33,6 +34,7 @@ from tspd.shell.kv_publisher import KVEventPublisher, open_kv_publisher
 from tspd.shell.kv_subscriber import EventSource, KVEventSubscriber, open_kv_subscriber
 from tspd.shell.ports import free_port
 from tspd.shell.prefill import PrefillPeer, PrefillSettings, RemoteDecodeRow, open_prefill_peer
+from tspd.shell.steps import StepCounter
 from tspd.testing.fake_engine import AsyncFakeEngine, FakeFabric
 from tspd.testing.layouts import PageAllocator, multi_layer_contract
 
@@ -40,6 +42,9 @@ __all__ = ["LocalPD", "Prompt", "decode_outcome"]
 
 #: Tokens per page of the local contract (also the KV-event block size).
 PAGE_TOKENS = 4
+
+#: Layers of the local contract (one producer step each when streaming layerwise).
+LAYERS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +80,7 @@ class LocalPD:
         self.host = host
         self.seed = seed
         self.contract: CacheContract = multi_layer_contract(
-            layers=2, num_pages=num_pages, heads=2, head_dim=4, page_tokens=PAGE_TOKENS
+            layers=LAYERS, num_pages=num_pages, heads=2, head_dim=4, page_tokens=PAGE_TOKENS
         )
         self.fabric = FakeFabric()
         self.prefill_arena = HostArena.for_contract(self.contract)
@@ -91,10 +96,21 @@ class LocalPD:
         """The Prefill instance's bootstrap server (an ephemeral port on ``host``)."""
         return open_bootstrap_server(self.host)
 
+    @property
+    def schedule(self) -> ProducerSchedule:
+        """The producer schedule of a layerwise Prefill rank: one step per layer."""
+        return ProducerSchedule.from_contract(self.contract, LAYERS)
+
     def prefill_peer(
-        self, bootstrap_addr: str, *, bootstrap_timeout: float = 30.0
+        self,
+        bootstrap_addr: str,
+        *,
+        bootstrap_timeout: float = 30.0,
+        step_counter: StepCounter | None = None,
     ) -> AbstractAsyncContextManager[PrefillPeer]:
-        """The Prefill rank, registering with ``bootstrap_addr``."""
+        """The Prefill rank, registering with ``bootstrap_addr``; with
+        ``step_counter`` it streams layerwise, each chunk waiting for the forward's
+        producer steps (:attr:`schedule`) on that counter."""
         config = PrefillConfig(
             tp_size=1,
             tp_rank=0,
@@ -102,10 +118,13 @@ class LocalPD:
             arena_base=self.prefill_arena.base,
             transfer_workers=2,
             bootstrap_timeout=bootstrap_timeout,
+            layerwise=self.schedule if step_counter is not None else None,
         )
         settings = PrefillSettings(host=self.host, bootstrap_addr=bootstrap_addr)
         engine = AsyncFakeEngine(self.host, fabric=self.fabric)
-        return open_prefill_peer(config, engine, self.prefill_arena, settings=settings)
+        return open_prefill_peer(
+            config, engine, self.prefill_arena, settings=settings, step_counter=step_counter
+        )
 
     def decode_peer(self) -> AbstractAsyncContextManager[DecodePeer]:
         """The Decode rank."""
