@@ -292,3 +292,20 @@ def test_the_guest_refuses_calls_after_it_closed() -> None:
         return inside, guest.running
 
     assert _run_asyncio(main()) == (True, False)
+
+
+@pytest.mark.parametrize("ticks", [0, 1, 5])
+def test_cancelling_the_host_while_the_guest_starts_stops_it(ticks: int) -> None:
+    async def host() -> None:
+        async with open_trio_guest():
+            await asyncio.sleep(10)
+
+    async def main() -> bool:
+        task = asyncio.create_task(host())
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=5)
+        return task in done and task.cancelled()
+
+    assert _run_asyncio(main())

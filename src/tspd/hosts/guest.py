@@ -302,7 +302,7 @@ async def open_trio_guest(*, name: str = "the tspd Trio guest") -> AsyncIterator
     except BaseException:
         result = await _stop_guest(guest, finished)
         if isinstance(result, outcome.Error):
-            log.error("%s crashed while the host was failing: %r", name, result.error)
+            log.error("%s crashed while the host was failing: %r", name, root_error(result.error))
         raise
     _raise_crash(await _stop_guest(guest, finished))
 
@@ -312,7 +312,10 @@ async def _stop_guest(
 ) -> outcome.Outcome[None]:
     """Ask the guest to close and wait until its run ended, even if this task is
     cancelled meanwhile (the loop must not stop under a live Trio run)."""
-    guest._post_quietly(guest._request_stop)
+    if guest._token is None:
+        guest._closing = True  # _serve sees it as soon as it starts, and stops
+    else:
+        guest._post_quietly(guest._request_stop)
     cancelled = False
     while not finished.done():
         try:
