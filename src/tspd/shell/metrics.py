@@ -23,44 +23,44 @@ Two ways in:
   subscribers' counters. Nothing is counted twice and nothing costs a hot-path
   call. Scrapes run in the peer's Trio thread when served by :func:`serve_metrics`.
 
-========================================== ========= ==================================
-metric                                     kind      labels
-========================================== ========= ==================================
-``tspd_rooms``                             gauge     side, rank, state
-``tspd_room_table_entries``                gauge     side, rank, table
-``tspd_rooms_finished_total``              counter   side, rank, outcome
-``tspd_room_failures_total``               counter   side, rank, reason_class
-``tspd_room_timeouts_total``               counter   side, rank, phase
-``tspd_room_duration_seconds``             histogram side, rank, outcome
-``tspd_room_phase_seconds``                histogram side, rank, phase
-``tspd_kv_transfer_latency_seconds``       histogram side, rank
-``tspd_transfer_chunks_total``             counter   side, rank
-``tspd_transfer_chunks_in_flight``         gauge     side, rank
-``tspd_transfer_bytes_total``              counter   side, rank
-``tspd_transfer_descriptors_total``        counter   side, rank
-``tspd_transfer_engine_calls_total``       counter   side, rank
-``tspd_control_messages_total``            counter   side, rank, result (sent, dropped)
-``tspd_heartbeats_total``                  counter   side, rank
-``tspd_scheduler_events_total``            counter   side, rank, event
-``tspd_kv_batches_published_total``        counter   dp_rank
-``tspd_kv_events_published_total``        counter   dp_rank
-``tspd_kv_batches_dropped_total``          counter   dp_rank
-``tspd_kv_send_failures_total``            counter   dp_rank
-``tspd_kv_replay_requests_total``          counter   dp_rank, result (served, invalid)
-``tspd_kv_replayed_batches_total``         counter   dp_rank
-``tspd_kv_replays_cut_short_total``        counter   dp_rank
-``tspd_kv_publisher_queue_depth``          gauge     dp_rank
-``tspd_kv_publisher_buffered_batches``     gauge     dp_rank
-``tspd_kv_subscriber_batches_total``       counter   source
-``tspd_kv_subscriber_replayed_total``      counter   source
-``tspd_kv_subscriber_duplicates_total``    counter   source
-``tspd_kv_subscriber_gaps_total``          counter   source
-``tspd_kv_subscriber_gaps_unhealed_total`` counter   source, reason
-``tspd_kv_subscriber_lost_batches_total``  counter   source
-``tspd_kv_subscriber_replay_requests_total`` counter source
-``tspd_kv_subscriber_restarts_total``      counter   source
-``tspd_kv_subscriber_pending_batches``     gauge     source
-========================================== ========= ==================================
+============================================ ========= ==================================
+metric                                       kind      labels
+============================================ ========= ==================================
+``tspd_rooms``                               gauge     side, rank, state
+``tspd_room_table_entries``                  gauge     side, rank, table
+``tspd_rooms_finished_total``                counter   side, rank, outcome
+``tspd_room_failures_total``                 counter   side, rank, reason_class
+``tspd_room_timeouts_total``                 counter   side, rank, phase
+``tspd_room_duration_seconds``               histogram side, rank, outcome
+``tspd_room_phase_seconds``                  histogram side, rank, phase
+``tspd_kv_transfer_latency_seconds``         histogram side, rank
+``tspd_transfer_chunks_total``               counter   side, rank
+``tspd_transfer_chunks_in_flight``           gauge     side, rank
+``tspd_transfer_bytes_total``                counter   side, rank
+``tspd_transfer_descriptors_total``          counter   side, rank
+``tspd_transfer_engine_calls_total``         counter   side, rank
+``tspd_control_messages_total``              counter   side, rank, result (sent, dropped)
+``tspd_heartbeats_total``                    counter   side, rank
+``tspd_scheduler_events_total``              counter   side, rank, event
+``tspd_kv_batches_published_total``          counter   dp_rank
+``tspd_kv_events_published_total``           counter   dp_rank
+``tspd_kv_batches_dropped_total``            counter   dp_rank
+``tspd_kv_send_failures_total``              counter   dp_rank
+``tspd_kv_replay_requests_total``            counter   dp_rank, result (served, invalid)
+``tspd_kv_replayed_batches_total``           counter   dp_rank
+``tspd_kv_replays_cut_short_total``          counter   dp_rank
+``tspd_kv_publisher_queue_depth``            gauge     dp_rank
+``tspd_kv_publisher_buffered_batches``       gauge     dp_rank
+``tspd_kv_subscriber_batches_total``         counter   source
+``tspd_kv_subscriber_replayed_total``        counter   source
+``tspd_kv_subscriber_duplicates_total``      counter   source
+``tspd_kv_subscriber_gaps_total``            counter   source
+``tspd_kv_subscriber_gaps_unhealed_total``   counter   source, reason
+``tspd_kv_subscriber_lost_batches_total``    counter   source
+``tspd_kv_subscriber_replay_requests_total`` counter   source
+``tspd_kv_subscriber_restarts_total``        counter   source
+``tspd_kv_subscriber_pending_batches``       gauge     source
+============================================ ========= ==================================
 
 ``tspd_kv_transfer_latency_seconds`` is a successful Prefill room's transfer
 phase: from its first chunk going to the workers to its final write (spec §10's
