@@ -11,6 +11,7 @@ import pytest
 import trio
 import zmq
 
+from tspd.core.errors import ConfigError
 from tspd.core.kv_config import KVEventsConfig
 from tspd.core.kv_events import BlockRemoved, BlockStored, KVEvent
 from tspd.shell.kv_publisher import KVEventPublisher, open_kv_publisher
@@ -296,3 +297,6 @@ async def test_subscriber_argument_errors() -> None:
     async with open_kv_subscriber([EventSource("tcp://127.0.0.1:1", name="a")]) as sub:
         with pytest.raises(ValueError, match="unknown KV event source 'b'"):
             sub.disconnect("b")
+    with pytest.raises(ConfigError, match=r"cannot follow bad \(endpoint udp://x:1"):
+        async with open_kv_subscriber([EventSource("udp://x:1", name="bad")]):
+            pytest.fail("must not open")

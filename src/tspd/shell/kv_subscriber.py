@@ -34,7 +34,7 @@ from typing import Final, TypeAlias, final
 import trio
 import zmq
 
-from tspd.core.errors import WireError
+from tspd.core.errors import ConfigError, WireError
 from tspd.core.kv_config import offset_endpoint_port
 from tspd.core.kv_events import KVEventBatch, decode_batch, decode_pub_frames
 from tspd.core.replay import decode_replay_reply, encode_replay_request
@@ -188,24 +188,26 @@ class _SourceFeed:
         self.tracker = tracker
         self._out = out
         self._topic = topic
-        self._ctx = ctx
         self._deadline_changed = trio.Event()
         self._lock = trio.Lock()
-        self.sub = self._open_sub()
+        self.sub = open_socket(ctx, zmq.SUB)
         self.dealer: TrioSocket | None = None
-        if source.replay_endpoint is not None:
-            self.dealer = open_socket(ctx, zmq.DEALER)
-            self.dealer.sock.setsockopt(zmq.RCVHWM, 0)
-            self.dealer.sock.connect(source.replay_endpoint)
-
-    def _open_sub(self) -> TrioSocket:
-        sub = open_socket(self._ctx, zmq.SUB)
-        sub.sock.setsockopt(zmq.SUBSCRIBE, self._topic)
-        if self.source.bind:
-            sub.sock.bind(self.source.endpoint)
-        else:
-            sub.sock.connect(self.source.endpoint)
-        return sub
+        try:
+            self.sub.sock.setsockopt(zmq.SUBSCRIBE, topic)
+            if source.bind:
+                self.sub.sock.bind(source.endpoint)
+            else:
+                self.sub.sock.connect(source.endpoint)
+            if source.replay_endpoint is not None:
+                self.dealer = open_socket(ctx, zmq.DEALER)
+                self.dealer.sock.setsockopt(zmq.RCVHWM, 0)
+                self.dealer.sock.connect(source.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ConfigError(
+                f"KV event subscriber: cannot follow {source.label} (endpoint "
+                f"{source.endpoint}, replay {source.replay_endpoint or 'none'}): {exc}"
+            ) from None
 
     def close(self) -> None:
         self.sub.close()
