@@ -460,3 +460,9 @@ async def test_a_client_that_stops_reading_does_not_hold_up_another(
             with trio.fail_after(20):  # far below the stuck client's 60 s stall bound
                 replayed = await _request(reader, 0)
     assert [s for s, _ in replayed] == list(range(n))
+
+
+async def test_the_callers_error_leaves_the_block_unwrapped(ipc_dir: str) -> None:
+    with pytest.raises(KeyError, match="mine"):
+        async with open_kv_publisher(_config(f"ipc://{ipc_dir}/p")):
+            raise KeyError("mine")

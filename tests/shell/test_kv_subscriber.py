@@ -300,3 +300,9 @@ async def test_subscriber_argument_errors() -> None:
     with pytest.raises(ConfigError, match=r"cannot follow bad \(endpoint udp://x:1"):
         async with open_kv_subscriber([EventSource("udp://x:1", name="bad")]):
             pytest.fail("must not open")
+
+
+async def test_the_callers_error_leaves_the_block_unwrapped() -> None:
+    with pytest.raises(KeyError, match="mine"):
+        async with open_kv_subscriber([EventSource("tcp://127.0.0.1:1")]):
+            raise KeyError("mine")

@@ -71,6 +71,7 @@ from tspd.core.replay import (
     end_marker_frames,
     replay_reply_frames,
 )
+from tspd.shell.nursery import single_error
 from tspd.shell.zmq import TrioSocket, open_socket
 
 __all__ = [
@@ -635,14 +636,15 @@ async def open_kv_publisher(
         replay_bound or "off",
     )
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(publisher._run_sender)
-            if router is not None:
-                nursery.start_soon(publisher._run_replay, router)
-            try:
-                yield publisher
-            finally:
-                await publisher._shutdown(nursery, close_timeout)
+        with single_error():  # the caller sees its own error, not our task group
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(publisher._run_sender)
+                if router is not None:
+                    nursery.start_soon(publisher._run_replay, router)
+                try:
+                    yield publisher
+                finally:
+                    await publisher._shutdown(nursery, close_timeout)
     finally:
         pub.close()
         if router is not None:

@@ -48,6 +48,7 @@ from tspd.core.seqtrack import (
     TrackerStats,
 )
 from tspd.core.seqtrack import PublisherRestarted as _Restarted
+from tspd.shell.nursery import single_error
 from tspd.shell.zmq import TrioSocket, open_socket
 
 __all__ = [
@@ -441,13 +442,14 @@ async def open_kv_subscriber(
             )
             feeds[source.label] = _SourceFeed(source, context, topic.encode(), tracker, send)
         subscriber = KVEventSubscriber(feeds, receive)
-        async with trio.open_nursery() as nursery:
-            for feed in feeds.values():
-                nursery.start_soon(feed.run)
-            try:
-                yield subscriber
-            finally:
-                nursery.cancel_scope.cancel()
+        with single_error():  # the caller sees its own error, not our task group
+            async with trio.open_nursery() as nursery:
+                for feed in feeds.values():
+                    nursery.start_soon(feed.run)
+                try:
+                    yield subscriber
+                finally:
+                    nursery.cancel_scope.cancel()
     finally:
         for feed in feeds.values():
             feed.close()
