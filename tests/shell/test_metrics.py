@@ -17,7 +17,7 @@ from tspd.core.seqtrack import TrackerStats
 from tspd.core.trace import Side
 from tspd.shell.kv_publisher import PublisherStats
 from tspd.shell.kv_subscriber import BatchesLost, ReceivedBatch
-from tspd.shell.metrics import PeerMetrics, TspdMetrics, open_metrics_server
+from tspd.shell.metrics import PeerMetrics, TokenSpeedLabels, TspdMetrics, open_metrics_server
 from tspd.testing.core_pair import CorePair
 from tspd.testing.layouts import simple_contract
 
@@ -317,3 +317,21 @@ def test_only_room_commands_count() -> None:
     body = metrics.render()[0].decode()
     assert 'tspd_transfer_chunks_total{rank="0",side="prefill"} 1.0' in body
     assert "tspd_room_failures_total{" not in body
+
+
+def test_tokenspeed_named_metrics_are_opt_in_and_prefill_only(pair: CorePair) -> None:
+    plain = TspdMetrics()
+    assert b"tokenspeed:" not in plain.render()[0]
+    metrics = TspdMetrics(tokenspeed=TokenSpeedLabels("llama", app_key="k"))
+    prefill = metrics.peer("prefill", 0, dp_rank=2)
+    decode = metrics.peer("decode", 0)
+    _drive(pair, prefill, decode)
+    ts = {"model_name": "llama", "app_key": "k", "dp_rank": "2"}
+    get = metrics.registry.get_sample_value
+    # Two Prefill failures (a write, a bootstrap timeout); Decode's are not counted.
+    assert get("tokenspeed:kv_transfer_failures_total", ts) == 2
+    assert get("tokenspeed:kv_transfer_timeouts_total", {**ts, "stage": "bootstrapping"}) == 1
+    assert get("tokenspeed:kv_transfer_latency_seconds_count", ts) == 2
+    assert get("tokenspeed:kv_transfer_failures_total", {**ts, "dp_rank": "0"}) is None
+    metrics.unregister()
+    assert list(metrics.registry.collect()) == []

@@ -64,8 +64,19 @@ metric                                       kind      labels
 
 ``tspd_kv_transfer_latency_seconds`` is a successful Prefill room's transfer
 phase: from its first chunk going to the workers to its final write (spec §10's
-latency, per room). Gaps healed by replay are ``tspd_kv_subscriber_gaps_total``
-less ``tspd_kv_subscriber_gaps_unhealed_total`` (each loss report counts as one
+latency, per room).
+
+TokenSpeed's own three KV-transfer metrics have no fixed names in any source
+(spec §10); with ``tokenspeed=TokenSpeedLabels(model_name, app_key)`` the Prefill
+peers also export them under the names the specification suggests, labelled
+``model_name``, ``app_key``, ``dp_rank``, for dashboards built on those:
+``tokenspeed:kv_transfer_failures_total`` (once per failed room),
+``tokenspeed:kv_transfer_timeouts_total{stage}`` (``bootstrapping``) and
+``tokenspeed:kv_transfer_latency_seconds`` (per successful room, as above; R-pd
+observes each destination's write instead).
+
+Gaps healed by replay are ``tspd_kv_subscriber_gaps_total`` less
+``tspd_kv_subscriber_gaps_unhealed_total`` (each loss report counts as one
 unhealed gap; a gap cut into several losses counts more than once).
 """
 
@@ -113,6 +124,7 @@ __all__ = [
     "PHASE_BUCKETS",
     "MetricsServer",
     "PeerMetrics",
+    "TokenSpeedLabels",
     "TspdMetrics",
     "metrics_app",
     "open_metrics_server",
@@ -186,6 +198,14 @@ _MESSAGE_KEYS: Final[Mapping[str, str]] = {
     "messages_dropped": "dropped",
 }
 _GAUGE_KEYS: Final[Mapping[str, str]] = {"chunks_in_flight": "tspd_transfer_chunks_in_flight"}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSpeedLabels:
+    """The labels TokenSpeed's engine metrics carry besides ``dp_rank``."""
+
+    model_name: str
+    app_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,7 +408,11 @@ class TspdMetrics:
     """Every tspd metric, in one registry. See the module docstring."""
 
     def __init__(
-        self, registry: CollectorRegistry | None = None, *, use_default: bool = False
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        use_default: bool = False,
+        tokenspeed: TokenSpeedLabels | None = None,
     ) -> None:
         if registry is not None and use_default:
             raise ConfigError("pass a registry or use_default=True, not both")
@@ -453,9 +477,35 @@ class TspdMetrics:
             ["source", "reason"],
             registry=reg,
         )
+        self.tokenspeed = tokenspeed
+        ts_labels = ("model_name", "app_key", "dp_rank")
+        self.ts_failures = Counter(
+            "tokenspeed:kv_transfer_failures",
+            "KV transfers that failed (once per room, Prefill side).",
+            ts_labels,
+            registry=None,
+        )
+        self.ts_timeouts = Counter(
+            "tokenspeed:kv_transfer_timeouts",
+            "KV transfers that timed out, by stage (Prefill side).",
+            [*ts_labels, "stage"],
+            registry=None,
+        )
+        self.ts_latency = Histogram(
+            "tokenspeed:kv_transfer_latency_seconds",
+            "Successful KV transfers: first chunk queued to final write done.",
+            ts_labels,
+            buckets=LATENCY_BUCKETS,
+            registry=None,
+        )
+        ts_collectors = (self.ts_failures, self.ts_timeouts, self.ts_latency)
+        if tokenspeed is not None:
+            for collector in ts_collectors:
+                reg.register(collector)
         self._scrape = _ScrapeCollector()
         reg.register(self._scrape)
         self._collectors = (
+            *(ts_collectors if tokenspeed is not None else ()),
             self.rooms_finished,
             self.room_failures,
             self.room_timeouts,
@@ -475,9 +525,10 @@ class TspdMetrics:
         for collector in self._collectors:
             self.registry.unregister(collector)
 
-    def peer(self, side: Side | str, rank: int) -> PeerMetrics:
-        """The metrics view of one rank (``side`` is ``"prefill"`` or ``"decode"``)."""
-        view = PeerMetrics(self, Side(side), rank)
+    def peer(self, side: Side | str, rank: int, *, dp_rank: int = 0) -> PeerMetrics:
+        """The metrics view of one rank (``side`` is ``"prefill"`` or ``"decode"``);
+        ``dp_rank`` labels its TokenSpeed-named metrics."""
+        view = PeerMetrics(self, Side(side), rank, dp_rank=dp_rank)
         self._peers.append(view)
         return view
 
@@ -519,7 +570,7 @@ class PeerMetrics:
     Get it from :meth:`TspdMetrics.peer`. Every method runs in the peer's thread.
     """
 
-    def __init__(self, metrics: TspdMetrics, side: Side, rank: int) -> None:
+    def __init__(self, metrics: TspdMetrics, side: Side, rank: int, *, dp_rank: int = 0) -> None:
         self.metrics = metrics
         self.side = side
         self.rank = rank
@@ -527,6 +578,8 @@ class PeerMetrics:
         self._labels = labels
         self._chunks = metrics.transfer_chunks.labels(*labels)
         self._latency = metrics.transfer_latency.labels(*labels)
+        ts = metrics.tokenspeed if side is Side.PREFILL else None
+        self._ts_labels = (ts.model_name, ts.app_key, str(dp_rank)) if ts is not None else None
         self._children: dict[tuple[str, str], Any] = {}
         self._trace: Callable[[int], RoomTrace | None] | None = None
         self._recent: Callable[[], list[RoomTrace]] | None = None
@@ -548,6 +601,10 @@ class PeerMetrics:
             self._child(metrics.room_failures, "failure", str(command.reason_class)).inc()
             if command.timeout_stage is not None:
                 self._child(metrics.room_timeouts, "timeout", command.timeout_stage).inc()
+            if self._ts_labels is not None:
+                metrics.ts_failures.labels(*self._ts_labels).inc()
+                if command.timeout_stage is not None:
+                    metrics.ts_timeouts.labels(*self._ts_labels, command.timeout_stage).inc()
 
     def observe_commands(self, commands: Iterable[Command]) -> None:
         """:meth:`observe_command` for each of ``commands``."""
@@ -572,6 +629,8 @@ class PeerMetrics:
             self._child(metrics.room_phase, "phase", phase).observe(seconds)
         if trace.outcome is Outcome.SUCCESS and trace.chunks and "transfer" in phases:
             self._latency.observe(phases["transfer"])
+            if self._ts_labels is not None:
+                metrics.ts_latency.labels(*self._ts_labels).observe(phases["transfer"])
 
     def observe_finished_all(self, traces: Iterable[RoomTrace]) -> None:
         """:meth:`observe_finished` for each of ``traces``."""
