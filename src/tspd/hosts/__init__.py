@@ -9,6 +9,14 @@
   (:func:`~tspd.hosts.threads.open_trio_thread`).
 
 The two asyncio bridges share :class:`~tspd.hosts.bridge.TrioBridge`, so engine
-code is written once. Trio hosts need none of this: they use
-``tspd.shell`` directly (``examples/trio_engine.py``).
+code is written once; all three hold long-lived services (peers, bootstrap
+server, KV-event publisher and subscriber) with
+:class:`~tspd.hosts.services.ServiceNursery` and close them newest first.
+:mod:`tspd.hosts.local` stands up a one-process Prefill/Decode pair on loopback
+to try an integration against. Trio hosts need none of this: they use
+``tspd.shell`` directly. ``examples/`` has one engine per host kind.
+
+Importing this package imports neither asyncio's replacement loop nor
+trio-asyncio; :mod:`tspd.hosts.aio` loads trio-asyncio only when used, because
+it patches asyncio process-wide.
 """

@@ -20,6 +20,8 @@ Rules that hold for both:
   bootstrap server, a publisher) in the bridge's nursery and returns what it
   yields; it stays open until the bridge closes, then everything entered is
   exited newest first.
+* KV events: publish with ``await bridge.run(publisher.apublish, events)`` and
+  read a subscriber with ``async for item in bridge.iterate(subscriber)``.
 * A Trio-side failure never leaves the asyncio side waiting: calls in flight
   when the bridge stops raise :class:`BridgeClosed`, and so does every later call.
 """
