@@ -60,6 +60,18 @@ log = logging.getLogger(__name__)
 #: A scheduler loop whose poll brought nothing waits for the peer's next activity,
 #: at most this long (an engine polls once per iteration, every few ms).
 _IDLE_MAX = 0.002
+#: Polls cost time in proportion to the requests tracked; like an engine's
+#: iteration, the loop polls at most once per this many seconds per tracked request
+#: (capped at _IDLE_MAX), so a busy peer batches its events.
+_POLL_SPACING_PER_REQUEST = 0.00001
+
+
+async def _pace(last_poll: float, tracked: int) -> None:
+    """Sleep until the next poll is due (see _POLL_SPACING_PER_REQUEST)."""
+    spacing = min(_IDLE_MAX, tracked * _POLL_SPACING_PER_REQUEST)
+    due = last_poll + spacing
+    if due > trio.current_time():
+        await trio.sleep_until(due)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,11 +171,14 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
             pending = deque(workload.rooms)
             live: dict[str, int] = {}
             tables: dict[str, dict[str, list[int]]] = {}
+            last_poll = trio.current_time()
             while pending or live:
                 while pending and len(live) < opts.in_flight:
                     room = pending.popleft()
                     live[workload.rid(room)] = room
                     peer.register_request(workload.rid(room), room)
+                await _pace(last_poll, len(live))
+                last_poll = trio.current_time()
                 events = await peer.poll()
                 ready: list[str] = []
                 for event in events:
@@ -302,11 +317,14 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
             pending = deque(workload.rooms)
             live: dict[str, tuple[int, float]] = {}
             held: dict[str, tuple[dict[str, list[int]], BlockManifest]] = {}
+            last_poll = trio.current_time()
             while pending or live:
                 while pending and len(live) < opts.in_flight:
                     room = pending.popleft()
                     live[workload.rid(room)] = (room, time.monotonic())
                     peer.register_request(workload.rid(room), room, opts.bootstrap)
+                await _pace(last_poll, len(live))
+                last_poll = trio.current_time()
                 events = await peer.poll()
                 for event in events:
                     if isinstance(event, Bootstrapped):
