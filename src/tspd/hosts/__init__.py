@@ -16,7 +16,7 @@ server, KV-event publisher and subscriber) with
 to try an integration against. Trio hosts need none of this: they use
 ``tspd.shell`` directly. ``examples/`` has one engine per host kind.
 
-Importing this package imports neither asyncio's replacement loop nor
-trio-asyncio; :mod:`tspd.hosts.aio` loads trio-asyncio only when used, because
-it patches asyncio process-wide.
+Importing this package does not import trio-asyncio: :mod:`tspd.hosts.aio`
+loads it only when a bridge opens, because it patches asyncio process-wide and
+guest mode cannot start on the loop it installs.
 """
