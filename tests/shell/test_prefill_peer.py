@@ -298,3 +298,49 @@ async def test_registers_with_the_bootstrap_server_and_closes_everything() -> No
     # The control port is free again: nothing kept the socket open.
     await wait_until(lambda: port_is_free(port), limit=5)
     assert threading.active_count() <= threads + 1
+
+
+async def test_unclaimed_preallocation_is_dropped_after_the_ttl_and_its_decode_told() -> None:
+    contract = _contract()
+    fabric = FakeFabric()
+    decode = DecodeStub(contract, AsyncFakeEngine(fabric=fabric))
+    with HostArena.for_contract(contract) as arena:
+        config = _config(contract, bootstrap_timeout=0.3)
+        async with open_prefill_peer(config, AsyncFakeEngine(fabric=fabric), arena) as peer:
+            decode.connect(peer.control_port)
+            await decode.register()
+            await decode.preallocate(81, PROMPT)
+            await wait_until(lambda: peer.statistics()["unclaimed"] == 1)
+            notice = await decode.next_status()  # sent by the timer task after the TTL
+            assert (notice.room, notice.status) == (81, TransferPoll.FAILED)
+            assert peer.statistics()["unclaimed"] == 0
+            assert peer.statistics()["rooms"] == 0
+    decode.close()
+
+
+async def test_wait_for_activity_wakes_on_peer_input(rig: Rig) -> None:
+    rig.peer.register_request("act", 91)
+    with trio.move_on_after(0.05) as idle:
+        await rig.peer.wait_for_activity()
+        await rig.peer.wait_for_activity()  # nothing new arrived since the first
+    assert idle.cancelled_caught
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rig.decode.preallocate, 91, PROMPT)
+        with trio.fail_after(5):
+            await rig.peer.wait_for_activity()
+    assert isinstance(await _poll_until(rig.peer, Bootstrapped, "act"), Bootstrapped)
+    rig.peer.abort(91, "test over")
+    await _poll_until(rig.peer, Failed, "act")
+
+
+class _Boom(Exception):
+    pass
+
+
+async def test_an_error_in_the_block_reaches_the_caller_unwrapped() -> None:
+    contract = _contract()
+    with HostArena.for_contract(contract) as arena, pytest.raises(_Boom):
+        async with open_prefill_peer(
+            _config(contract), AsyncFakeEngine(fabric=FakeFabric()), arena
+        ):
+            raise _Boom
