@@ -4,6 +4,7 @@ shell would, then scraped over real HTTP on 127.0.0.1."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 import httpx
@@ -335,3 +336,24 @@ def test_tokenspeed_named_metrics_are_opt_in_and_prefill_only(pair: CorePair) ->
     assert get("tokenspeed:kv_transfer_failures_total", {**ts, "dp_rank": "0"}) is None
     metrics.unregister()
     assert list(metrics.registry.collect()) == []
+
+
+async def test_scrapes_read_peers_in_the_trio_thread_and_encode_elsewhere() -> None:
+    metrics = TspdMetrics()
+    readers: list[int] = []
+
+    def rooms() -> dict[str, int]:
+        readers.append(threading.get_ident())
+        return {"Bootstrapping": 2}
+
+    metrics.peer("decode", 0).watch(rooms_by_state=rooms)
+    async with open_metrics_server(metrics) as server:
+        first = await _scrape(server.url)
+        second = await _scrape(server.url)
+    assert readers == [threading.get_ident()] * 2
+    for response in (first, second):
+        s = _samples(response.text)
+        assert _value(s, "tspd_rooms", side="decode", rank="0", state="Bootstrapping") == 2
+    # Outside a scrape, render() reads the sources itself, as before.
+    assert b'state="Bootstrapping"} 2.0' in metrics.render()[0]
+    assert len(readers) == 3

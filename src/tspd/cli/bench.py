@@ -12,6 +12,7 @@ _BENCHMARKS: dict[str, str] = {
     "pd": "tspd.bench.pd:pd",
     "events": "tspd.bench.events:events",
     "rooms": "tspd.bench.rooms:rooms",
+    "observe": "tspd.bench.observe:observe",
 }
 
 

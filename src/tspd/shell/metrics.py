@@ -82,6 +82,7 @@ unhealed gap; a gap cut into several losses counts more than once).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import socket
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
@@ -200,6 +201,13 @@ _MESSAGE_KEYS: Final[Mapping[str, str]] = {
 _GAUGE_KEYS: Final[Mapping[str, str]] = {"chunks_in_flight": "tspd_transfer_chunks_in_flight"}
 
 
+#: Set (in a copied context) while a worker thread encodes a scrape: the scrape-time
+#: samples, already read in the Trio thread, for :class:`_ScrapeCollector` to yield.
+_FROZEN: contextvars.ContextVar[list[Metric] | None] = contextvars.ContextVar(
+    "tspd_metrics_frozen", default=None
+)
+
+
 @dataclass(frozen=True, slots=True)
 class TokenSpeedLabels:
     """The labels TokenSpeed's engine metrics carry besides ``dp_rank``."""
@@ -238,6 +246,10 @@ class _ScrapeCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
+        frozen = _FROZEN.get()
+        if frozen is not None:
+            yield from frozen
+            return
         yield from self._peer_metrics()
         yield from self._publisher_metrics()
         yield from self._subscriber_metrics()
@@ -562,6 +574,16 @@ class TspdMetrics:
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
 
+    async def render_off_loop(self, accept: str | None = None) -> tuple[bytes, str]:
+        """:meth:`render` for a Trio endpoint: the watched peers are read here, in
+        their own thread (their tables are not thread-safe), and the text is encoded
+        in a worker thread, so a scrape never stalls the peers' loop for the
+        milliseconds encoding takes."""
+        frozen = list(self._scrape.collect())
+        context = contextvars.copy_context()
+        context.run(_FROZEN.set, frozen)
+        return await trio.to_thread.run_sync(context.run, self.render, accept)
+
 
 @final
 class PeerMetrics:
@@ -673,7 +695,7 @@ def metrics_app(metrics: TspdMetrics) -> Starlette:
     ``GET /traces/{room}`` (that room's trace on every watched rank, 404 if none)."""
 
     async def scrape(request: Request) -> Response:
-        body, content_type = metrics.render(request.headers.get("accept"))
+        body, content_type = await metrics.render_off_loop(request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
 
     async def recent(request: Request) -> Response:
