@@ -225,9 +225,9 @@ def _role_command(role: str) -> click.Command:
     @click.option("--tp", default=1, show_default=True, help="This side's TP size.")
     @click.option(
         "--bootstrap",
-        default="127.0.0.1:8998",
+        default="8998",
         show_default=True,
-        help="The Prefill instance's bootstrap server, host:port.",
+        help="The Prefill instance's bootstrap server: host:port, or a port on --host.",
     )
     @click.option("--agree", default="", help="Comma-separated agreement endpoints of every rank.")
     @click.option("--workers", default=2, show_default=True, help="Transfer workers (Prefill).")
@@ -256,7 +256,7 @@ def _role_command(role: str) -> click.Command:
             rank=rank,
             tp=tp,
             host=kw["host"],
-            bootstrap=bootstrap,
+            bootstrap=bootstrap if ":" in bootstrap else f"{kw['host']}:{bootstrap}",
             agree=tuple(a for a in agree.split(",") if a),
             in_flight=kw["in_flight"],
             layerwise=kw["layerwise"],

@@ -33,3 +33,8 @@ class Reporter:
         record.update(fields)
         self._stream.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._stream.flush()
+
+    def announce(self, text: str) -> None:
+        """A line for a person on stderr (stdout carries only JSON)."""
+        sys.stderr.write(f"{self.role} rank {self.rank}: {text}\n")
+        sys.stderr.flush()

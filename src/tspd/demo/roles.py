@@ -167,6 +167,11 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
                 registered=peer.registered_with_bootstrap,
                 pid=os.getpid(),
             )
+            reporter.announce(
+                f"control socket tcp://{opts.host}:{peer.control_port}, Mooncake session "
+                f"{engine.session_id}, bootstrap {opts.bootstrap} "
+                f"({'registered' if peer.registered_with_bootstrap else 'NOT registered'})"
+            )
             cpu0, wall0 = time.process_time(), time.monotonic()
             pending = deque(workload.rooms)
             live: dict[str, int] = {}
@@ -312,6 +317,10 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
                 session=engine.session_id,
                 arena_base=arena.base,
                 pid=os.getpid(),
+            )
+            reporter.announce(
+                f"status socket tcp://{opts.host}:{peer.status_port}, Mooncake session "
+                f"{engine.session_id}, arena at {arena.base:#x}, Prefill bootstrap {opts.bootstrap}"
             )
             cpu0, wall0 = time.process_time(), time.monotonic()
             pending = deque(workload.rooms)
