@@ -13,12 +13,14 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import final
 
 from tspd.core.kv_events import BlockRemoved, BlockStored, KVEvent, block_hash
 
 __all__ = ["SyntheticCache"]
 
 
+@final
 class SyntheticCache:
     """A deterministic source of realistic KV events.
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, final
 
 from tspd.core.errors import WireError
 
@@ -49,6 +49,7 @@ END_SEQ_FRAME: Final = b"\xff" * 8
 _U64_MAX: Final = (1 << 64) - 1
 
 
+@final
 class ReplayBuffer:
     """The last ``capacity`` published ``(seq, payload)`` pairs, oldest evicted first.
 

@@ -153,6 +153,7 @@ class EventPublisher(Protocol):
 Item = tuple[bytes, int]  # (payload, number of events)
 
 
+@final
 class BatchQueue:
     """A bounded FIFO from any thread into one Trio task (the publisher's hand-off).
 
