@@ -244,7 +244,10 @@ class DecodePeer:
             messages = await sock.recv_batch(batch)
             now = trio.current_time()
             for frames in messages:
-                self.core.receive_status(frames, now)
+                try:
+                    self.core.receive_status(frames, now)
+                except Exception:  # the status loop never dies
+                    log.exception("Unexpected failure handling a Prefill status message")
             self._pump(activity=True)
 
     async def _heartbeat(

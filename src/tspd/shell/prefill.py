@@ -361,7 +361,10 @@ class PrefillPeer:
             messages = await sock.recv_batch(batch)
             now = trio.current_time()
             for frames in messages:
-                self.core.receive_control(frames, now)
+                try:
+                    self.core.receive_control(frames, now)
+                except Exception:  # the control loop never dies (spec §4.1)
+                    log.exception("Unexpected CachePD bootstrap message failure")
             self._pump(activity=True)
 
     async def _register_with_bootstrap(
