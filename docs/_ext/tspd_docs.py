@@ -1,9 +1,15 @@
-"""The tspd docs' own Sphinx extension: API pages generated from the package tree.
+"""The tspd docs' own Sphinx extension: pages generated from the code they describe.
 
-A page holds a line ``<!-- tspd-api: PACKAGE -->``; when Sphinx reads the page the
-line becomes one section and one ``automodule`` per module of ``PACKAGE`` (found by
-walking the installed package), so a new module appears in the API reference
-without anyone editing the docs.
+Two markers are replaced when Sphinx reads a page, so the pages cannot drift from
+the code:
+
+* ``<!-- tspd-api: PACKAGE -->`` becomes one section and one ``automodule`` per
+  module of ``PACKAGE`` (found by walking the installed package), so a new module
+  appears in the API reference without anyone editing the docs;
+* ``<!-- tspd-metrics -->`` becomes a table of every Prometheus metric a
+  :class:`tspd.shell.metrics.TspdMetrics` registry exposes (with the opt-in
+  TokenSpeed-named ones), read from a live registry: name, kind and help text,
+  with the labels that the module's own table lists.
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ import re
 from typing import Any
 
 _MARKER = re.compile(r"^<!-- tspd-api: (?P<package>[\w.]+) -->$", re.MULTILINE)
+_METRICS_MARKER = re.compile(r"^<!-- tspd-metrics -->$", re.MULTILINE)
+_LABELS_ROW = re.compile(
+    r"^``(?P<name>[\w:]+)``\s+(?:counter|gauge|histogram)\s+(?P<labels>.+?)\s*$", re.MULTILINE
+)
 
 
 def modules_of(package: str) -> list[str]:
@@ -34,8 +44,40 @@ def _api_section(match: re.Match[str]) -> str:
     return "\n".join(parts)
 
 
+def exposed_metrics() -> list[tuple[str, str, str]]:
+    """``(name, kind, help)`` of every metric family a fresh registry exposes, in
+    exposition order, ``_created`` companions left out."""
+    from tspd.shell.metrics import TokenSpeedLabels, TspdMetrics
+
+    body, _ = TspdMetrics(tokenspeed=TokenSpeedLabels(model_name="model")).render()
+    helps: dict[str, str] = {}
+    out = []
+    for line in body.decode("utf-8").splitlines():
+        if line.startswith("# HELP "):
+            name, _, text = line[len("# HELP ") :].partition(" ")
+            helps[name] = text
+        elif line.startswith("# TYPE "):
+            name, _, kind = line[len("# TYPE ") :].partition(" ")
+            if not name.endswith("_created"):
+                out.append((name, kind, helps.get(name, "")))
+    return out
+
+
+def _metrics_table(match: re.Match[str]) -> str:
+    import tspd.shell.metrics
+
+    documented = tspd.shell.metrics.__doc__ or ""
+    labels = {m["name"]: m["labels"] for m in _LABELS_ROW.finditer(documented)}
+    rows = ["| Metric | Kind | Labels | Meaning |", "|---|---|---|---|"]
+    for name, kind, text in exposed_metrics():
+        cell = text.replace("|", "\\|")
+        rows.append(f"| `{name}` | {kind} | {labels.get(name, '—')} | {cell} |")
+    return "\n".join(rows) + "\n"
+
+
 def _expand(app: Any, docname: str, source: list[str]) -> None:
     source[0] = _MARKER.sub(_api_section, source[0])
+    source[0] = _METRICS_MARKER.sub(_metrics_table, source[0])
 
 
 def setup(app: Any) -> dict[str, Any]:
