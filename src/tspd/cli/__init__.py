@@ -19,6 +19,7 @@ _COMMANDS: dict[str, str] = {
     "diagrams": "tspd.cli.diagrams:diagrams",
     "demo": "tspd.cli.demo:demo",
     "bootstrap-server": "tspd.cli.demo:bootstrap_server",
+    "trace": "tspd.cli.trace:trace",
 }
 
 

@@ -85,6 +85,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -689,17 +690,35 @@ class PeerMetrics:
 # --------------------------------------------------------------------------- HTTP
 
 
+def _trace_entry(trace: RoomTrace, offset: float) -> dict[str, object]:
+    """A trace as JSON, plus its marks on the Unix clock (``offset`` is Unix time
+    minus the peers' clock), so traces from several processes line up."""
+    entry = trace.as_dict()
+    entry["started_unix"] = trace.started + offset
+    entry["marks_unix"] = [[str(mark), when + offset] for mark, when in trace.marks]
+    return entry
+
+
 def metrics_app(metrics: TspdMetrics) -> Starlette:
     """The ASGI app: ``GET /metrics`` (Prometheus or OpenMetrics text, by the
     ``Accept`` header), ``GET /traces`` (every watched rank's kept traces, JSON) and
-    ``GET /traces/{room}`` (that room's trace on every watched rank, 404 if none)."""
+    ``GET /traces/{room}`` (that room's trace on every watched rank, 404 if none).
+
+    Trace times are the peers' Trio clock (what their cores were given); each trace
+    also carries ``started_unix`` and ``marks_unix``, the same instants on the Unix
+    clock, to compare traces taken in different processes (``tspd trace``).
+    """
+
+    def offset() -> float:
+        return time.time() - trio.current_time()
 
     async def scrape(request: Request) -> Response:
         body, content_type = await metrics.render_off_loop(request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
 
     async def recent(request: Request) -> Response:
-        traces = [t.as_dict() for peer in metrics.peers for t in peer.recent_traces()]
+        shift = offset()
+        traces = [_trace_entry(t, shift) for peer in metrics.peers for t in peer.recent_traces()]
         return JSONResponse(traces)
 
     async def one_room(request: Request) -> Response:
@@ -707,7 +726,10 @@ def metrics_app(metrics: TspdMetrics) -> Starlette:
         if not text.isdigit():
             return PlainTextResponse(f"room must be a non-negative integer, got {text!r}", 400)
         room = int(text)
-        traces = [t.as_dict() for p in metrics.peers for t in [p.trace(room)] if t is not None]
+        shift = offset()
+        traces = [
+            _trace_entry(t, shift) for p in metrics.peers for t in [p.trace(room)] if t is not None
+        ]
         if not traces:
             return PlainTextResponse(
                 f"no trace of room {room}: it never reached this process, or it succeeded "
