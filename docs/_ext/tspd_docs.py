@@ -27,9 +27,12 @@ _LABELS_ROW = re.compile(
 
 
 def modules_of(package: str) -> list[str]:
-    """``package`` and every module below it, sorted by name."""
+    """``package`` and every module below it, sorted by name (just ``package`` when
+    it is a plain module)."""
     root = importlib.import_module(package)
     names = [package]
+    if not hasattr(root, "__path__"):  # a plain module, not a package
+        return names
     for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
         if not info.name.rsplit(".", 1)[-1].startswith("_"):
             names.append(info.name)
