@@ -357,3 +357,33 @@ async def test_scrapes_read_peers_in_the_trio_thread_and_encode_elsewhere() -> N
     # Outside a scrape, render() reads the sources itself, as before.
     assert b'state="Bootstrapping"} 2.0' in metrics.render()[0]
     assert len(readers) == 3
+
+
+def test_a_closed_peer_is_no_longer_read() -> None:
+    metrics = TspdMetrics()
+    reads: list[str] = []
+
+    def rooms(name: str) -> dict[str, int]:
+        reads.append(name)
+        return {"Bootstrapping": 1}
+
+    first = metrics.peer("prefill", 0)
+    first.watch(rooms_by_state=lambda: rooms("first"))
+    second = metrics.peer("prefill", 1)
+    second.watch(rooms_by_state=lambda: rooms("second"))
+    first.watch(rooms_by_state=lambda: rooms("again"))  # replaces the first watch
+    first.observe_command(StartTransfer(room=1, shard=0, intervals=(), final=True, sessions=()))
+    metrics.render()
+    assert sorted(reads) == ["again", "second"]
+    assert metrics.peers == (first, second)
+    first.close()
+    reads.clear()
+    s = _samples(metrics.render()[0].decode())
+    assert reads == ["second"]
+    assert metrics.peers == (second,)
+    assert first.trace(1) is None
+    assert (
+        "tspd_rooms",
+        frozenset({("side", "prefill"), ("rank", "0"), ("state", "Bootstrapping")}),
+    ) not in s
+    assert _value(s, "tspd_transfer_chunks_total", side="prefill", rank="0") == 1

@@ -86,6 +86,10 @@ def test_observer_logs_counts_and_reports_slow_rooms(
     prefill_view, decode_view = metrics.peers
     assert prefill_view.trace(2).reason_class == "transfer"  # type: ignore[union-attr]
     assert decode_view.trace(2).reason_class == "peer-failed"  # type: ignore[union-attr]
+    prefill.close()
+    assert metrics.peers == (decode_view,)
+    assert _sample(metrics, "tspd_room_table_entries", **p, table="traces") is None
+    assert _sample(metrics, "tspd_room_failures_total", **p, reason_class="transfer") == 1
 
 
 def test_without_metrics_the_observer_only_logs(caplog: pytest.LogCaptureFixture) -> None:

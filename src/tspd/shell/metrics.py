@@ -553,6 +553,14 @@ class TspdMetrics:
     def _watch_peer(self, source: _PeerSource) -> None:
         self._scrape.peers.append(source)
 
+    def _unwatch_peer(self, source: _PeerSource) -> None:
+        if source in self._scrape.peers:
+            self._scrape.peers.remove(source)
+
+    def _forget_view(self, view: PeerMetrics) -> None:
+        if view in self._peers:
+            self._peers.remove(view)
+
     def watch_publisher(self, statistics: Callable[[], PublisherStats], dp_rank: int = 0) -> None:
         """Read a KV event publisher's counters (``publisher.statistics``) at scrape
         time, labelled ``dp_rank``."""
@@ -606,6 +614,7 @@ class PeerMetrics:
         self._children: dict[tuple[str, str], Any] = {}
         self._trace: Callable[[int], RoomTrace | None] | None = None
         self._recent: Callable[[], list[RoomTrace]] | None = None
+        self._source: _PeerSource | None = None
 
     def _child(self, family: Counter | Histogram, name: str, value: str) -> Any:
         key = (name, value)
@@ -671,12 +680,24 @@ class PeerMetrics:
         """Read this rank's state when scraped: ``rooms_by_state`` (the core's) gives
         ``tspd_rooms``; ``statistics`` (the peer's) gives the table sizes and the
         transfer, message and heartbeat counters. ``trace``/``recent_traces`` (the
-        core's) serve the metrics endpoint's ``/traces`` routes."""
-        self.metrics._watch_peer(
-            _PeerSource(str(self.side), str(self.rank), rooms_by_state, statistics)
-        )
+        core's) serve the metrics endpoint's ``/traces`` routes. Watching again
+        replaces what was watched."""
+        if self._source is not None:
+            self.metrics._unwatch_peer(self._source)
+        self._source = _PeerSource(str(self.side), str(self.rank), rooms_by_state, statistics)
+        self.metrics._watch_peer(self._source)
         self._trace = trace
         self._recent = recent_traces
+
+    def close(self) -> None:
+        """The peer stopped: stop reading it at scrape time and drop its traces from
+        the endpoint. What it counted stays in the registry's counters."""
+        if self._source is not None:
+            self.metrics._unwatch_peer(self._source)
+        self.metrics._forget_view(self)
+        self._source = None
+        self._trace = None
+        self._recent = None
 
     def trace(self, room: int) -> RoomTrace | None:
         """The watched core's trace of ``room`` (``None`` without one, or unwatched)."""

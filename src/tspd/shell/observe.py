@@ -90,6 +90,11 @@ class PeerObserver:
                 recent_traces=core.recent_traces,
             )
 
+    def close(self) -> None:
+        """The peer stopped: its metrics endpoint stops reading it (its counts stay)."""
+        if self.metrics is not None:
+            self.metrics.close()
+
     def command(self, command: Command) -> bool:
         """Log and count one drained command; ``True`` when it was only for
         observing (a ``Log`` or ``RoomFailed``), ``False`` when the shell still has
