@@ -3,9 +3,12 @@
 The sans-IO cores never read a clock; they expose ``next_deadline()`` and take
 ``handle_timeout(now)``. :class:`DeadlineTimer` is the Trio side of that
 contract (quinn's ``poll_timeout``/``handle_timeout``): one task sleeps until the
-earliest deadline and calls back; whenever core activity may have moved the
-deadline earlier, the peer calls :meth:`DeadlineTimer.poke` and the task
-re-reads it. Time is ``trio.current_time()``, so ``MockClock`` drives it in tests.
+earliest deadline and calls back. Whenever core activity may have moved the
+deadline earlier, the peer calls :meth:`DeadlineTimer.poke`; the task re-reads
+the deadline at most once per ``coalesce`` seconds, however often it is poked,
+because ``next_deadline()`` may cost time in proportion to the rooms a core
+holds and the deadlines it guards (bootstrap, waiting and session timeouts) are
+seconds long. Time is ``trio.current_time()``, so ``MockClock`` drives it in tests.
 """
 
 from __future__ import annotations
@@ -27,29 +30,35 @@ class DeadlineTimer:
         self,
         next_deadline: Callable[[], float | None],
         on_timeout: Callable[[float], None],
+        *,
+        coalesce: float = 0.01,
     ) -> None:
         self._next_deadline = next_deadline
         self._on_timeout = on_timeout
-        self._sleeping_until = math.inf
+        self._coalesce = coalesce
+        self._poked = False
         self._wakeup = trio.Event()
 
     def poke(self) -> None:
-        """The deadline may have moved earlier: re-read it (cheap; call freely)."""
-        deadline = self._next_deadline()
-        if deadline is not None and deadline < self._sleeping_until:
+        """The deadline may have moved earlier: have the task re-read it (O(1))."""
+        if not self._poked:
+            self._poked = True
             self._wakeup.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled."""
         task_status.started()
         while True:
-            deadline = self._next_deadline()
-            self._sleeping_until = math.inf if deadline is None else deadline
-            with trio.move_on_at(self._sleeping_until):
-                await self._wakeup.wait()
-            self._wakeup = trio.Event()
-            self._sleeping_until = -math.inf  # pokes are moot while we run the callback
+            self._poked = False
             now = trio.current_time()
             deadline = self._next_deadline()
             if deadline is not None and deadline <= now:
                 self._on_timeout(now)
+                await trio.lowlevel.checkpoint()
+                continue
+            with trio.move_on_at(math.inf if deadline is None else deadline):
+                await self._wakeup.wait()
+            if self._wakeup.is_set():
+                self._wakeup = trio.Event()
+                # Pokes come in bursts (one per core call): take them together.
+                await trio.sleep(self._coalesce)
