@@ -34,6 +34,7 @@ from tspd.demo.orchestrate import DemoOptions, DemoSummary, percentile, run_demo
 from tspd.demo.report import Reporter
 from tspd.demo.roles import RoleOptions, run_decode_rank, run_prefill_rank
 from tspd.demo.workload import Workload, parse_rooms
+from tspd.log import configure_logging
 
 __all__ = ["bootstrap_server", "demo"]
 
@@ -113,11 +114,7 @@ def _workload(kw: dict[str, Any]) -> Workload:
 
 
 def _logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    configure_logging(logging.INFO if verbose else logging.WARNING, stream=sys.stderr)
 
 
 @click.group(invoke_without_command=True)

@@ -24,7 +24,6 @@ endpoint).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from collections import deque
@@ -45,6 +44,7 @@ from tspd.core.schedule import ProducerSchedule
 from tspd.demo.report import Reporter
 from tspd.demo.workload import Workload
 from tspd.engines.mooncake import MooncakeEngine
+from tspd.log import component_logger
 from tspd.shell.agreement import ReplicaAgreement, SingleRank, ZmqAgreement
 from tspd.shell.arena import HostArena, clear_room, fill_room, verify_room
 from tspd.shell.decode import DecodeSettings, open_decode_peer
@@ -55,7 +55,7 @@ from tspd.testing.layouts import PageAllocator
 
 __all__ = ["RoleOptions", "run_decode_rank", "run_prefill_rank"]
 
-log = logging.getLogger(__name__)
+log = component_logger("demo")
 
 #: A scheduler loop whose poll brought nothing waits for the peer's next activity,
 #: at most this long (an engine polls once per iteration, every few ms).

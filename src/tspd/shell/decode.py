@@ -28,7 +28,6 @@ arena is registered with the engine so Prefill ranks can write into it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -51,18 +50,18 @@ from tspd.core.errors import TspdError
 from tspd.core.machines import RoomState
 from tspd.core.manifest import BlockManifest
 from tspd.engines.base import AsyncTransferEngine, TransferEngine, TransferError
+from tspd.log import component_logger, log_command
 from tspd.shell.agreement import ReplicaAgreement, SingleRank
 from tspd.shell.arena import HostArena
 from tspd.shell.bootstrap import BootstrapClient
 from tspd.shell.nursery import single_error
-from tspd.shell.prefill import LOG_LEVELS
 from tspd.shell.pushes import PushPool
 from tspd.shell.timer import DeadlineTimer
 from tspd.shell.zmq import TrioSocket, bind_free_port, open_socket
 
 __all__ = ["DecodePeer", "DecodeSettings", "open_decode_peer"]
 
-log = logging.getLogger(__name__)
+log = component_logger("decode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,11 +131,10 @@ class DecodePeer:
             self._spawn(self._fetch_parallel_info, command)
         elif isinstance(command, FetchRankInfo):
             self._spawn(self._fetch_rank_info, command)
-        elif isinstance(command, RoomFailed):
-            self.failures.append(command)
-            log.info("Decode room %s failed: %s", command.room, command.reason)
-        elif isinstance(command, Log):
-            log.log(LOG_LEVELS[command.level], "%s", command.message)
+        elif isinstance(command, RoomFailed | Log):
+            if isinstance(command, RoomFailed):
+                self.failures.append(command)
+            log_command(log, command, side="decode", rank=self.core.config.tp_rank)
         else:
             log.error("the Decode core asked for a Prefill-only command: %r", command)
 

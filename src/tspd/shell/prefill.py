@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final, final
+from typing import Any, final
 
 import trio
 import zmq
@@ -44,7 +43,6 @@ from tspd.core.commands import (
     Event,
     Failed,
     Log,
-    LogLevel,
     RoomFailed,
     SendFrames,
     StartTransfer,
@@ -54,6 +52,7 @@ from tspd.core.errors import ProtocolError, TspdError
 from tspd.core.machines import RoomState
 from tspd.core.prefill import ExtendRow, PrefillConfig, PrefillCore
 from tspd.engines.base import AsyncTransferEngine, TransferError
+from tspd.log import component_logger, log_command
 from tspd.shell.agreement import ReplicaAgreement, SingleRank
 from tspd.shell.arena import HostArena
 from tspd.shell.bootstrap import BootstrapClient
@@ -75,14 +74,7 @@ __all__ = [
     "open_prefill_peer",
 ]
 
-log = logging.getLogger(__name__)
-
-LOG_LEVELS: Final = {
-    LogLevel.DEBUG: logging.DEBUG,
-    LogLevel.INFO: logging.INFO,
-    LogLevel.WARNING: logging.WARNING,
-    LogLevel.ERROR: logging.ERROR,
-}
+log = component_logger("prefill")
 
 
 class ReleaseRefused(TspdError):
@@ -187,11 +179,10 @@ class PrefillPeer:
             self._pushes.send_nowait(command.endpoint, command.port, command.frames, command.room)
         elif isinstance(command, StartTransfer):
             self._workers.submit(command)
-        elif isinstance(command, RoomFailed):
-            self.failures.append(command)
-            log.info("Prefill room %s failed: %s", command.room, command.reason)
-        elif isinstance(command, Log):
-            log.log(LOG_LEVELS[command.level], "%s", command.message)
+        elif isinstance(command, RoomFailed | Log):
+            if isinstance(command, RoomFailed):
+                self.failures.append(command)
+            log_command(log, command, side="prefill", rank=self.core.config.tp_rank)
         else:
             log.error("the Prefill core asked for a Decode-only command: %r", command)
 

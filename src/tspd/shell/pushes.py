@@ -15,7 +15,6 @@ counted rather than stalling every other peer's messages.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,11 +23,12 @@ from typing import final
 import trio
 import zmq
 
+from tspd.log import component_logger
 from tspd.shell.zmq import TrioSocket, open_socket
 
 __all__ = ["PushPool", "PushStats", "endpoint_url"]
 
-log = logging.getLogger(__name__)
+log = component_logger("push")
 
 
 def endpoint_url(endpoint: str, port: int) -> str:

@@ -25,7 +25,6 @@ that started is finished before cancellation is delivered.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,11 +35,12 @@ import trio
 from tspd.core.commands import StartTransfer
 from tspd.core.copies import DEFAULT_MAX_DESCRIPTORS, batches
 from tspd.engines.base import AsyncTransferEngine, TransferError
+from tspd.log import component_logger
 from tspd.shell.steps import wait_step
 
 __all__ = ["TransferFeedback", "TransferWorkers", "WorkerStats"]
 
-log = logging.getLogger(__name__)
+log = component_logger("transfer")
 
 
 class TransferFeedback(Protocol):
