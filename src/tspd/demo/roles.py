@@ -66,9 +66,16 @@ _IDLE_MAX = 0.002
 _POLL_SPACING_PER_REQUEST = 0.00001
 
 
-async def _pace(last_poll: float, tracked: int) -> None:
+#: A TP group's poll is a replica-agreement round trip between processes: at least
+#: this far apart.
+_GROUP_POLL_SPACING = 0.0005
+
+
+async def _pace(last_poll: float, tracked: int, tp: int) -> None:
     """Sleep until the next poll is due (see _POLL_SPACING_PER_REQUEST)."""
     spacing = min(_IDLE_MAX, tracked * _POLL_SPACING_PER_REQUEST)
+    if tp > 1:
+        spacing = max(spacing, _GROUP_POLL_SPACING)
     due = last_poll + spacing
     if due > trio.current_time():
         await trio.sleep_until(due)
@@ -182,7 +189,7 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
                     room = pending.popleft()
                     live[workload.rid(room)] = room
                     peer.register_request(workload.rid(room), room)
-                await _pace(last_poll, len(live))
+                await _pace(last_poll, len(live), opts.tp)
                 last_poll = trio.current_time()
                 events = await peer.poll()
                 ready: list[str] = []
@@ -332,7 +339,7 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
                     room = pending.popleft()
                     live[workload.rid(room)] = (room, time.monotonic())
                     peer.register_request(workload.rid(room), room, opts.bootstrap)
-                await _pace(last_poll, len(live))
+                await _pace(last_poll, len(live), opts.tp)
                 last_poll = trio.current_time()
                 events = await peer.poll()
                 for event in events:
