@@ -13,7 +13,7 @@ from tspd.core.commands import DestinationWrite, StartTransfer, TransferInterval
 from tspd.core.copies import CopyPlan
 from tspd.shell.nursery import single_error
 from tspd.shell.pushes import PushPool, endpoint_url
-from tspd.shell.steps import StepCounter, wait_step
+from tspd.shell.steps import StepCounter
 from tspd.shell.threadsafe import LoopPortal, PeerClosed
 from tspd.shell.timer import DeadlineTimer
 from tspd.shell.transfers import TransferWorkers
@@ -87,33 +87,14 @@ async def test_portal_runs_calls_from_threads_in_order_without_waiting() -> None
         portal.post(lambda: None).result()
 
 
-async def test_step_wait_returns_once_the_counter_passes_the_target() -> None:
+def test_step_counter_counts_completed_steps_modulo_2_62() -> None:
     counter = StepCounter()
+    assert counter.read() == 0
     assert counter.address == counter.address
-    done = trio.Event()
-
-    async def waiter() -> None:
-        assert await wait_step(counter.read, 2) is None
-        done.set()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(waiter)
-        for _ in range(2):
-            counter.advance()
-            await trio.sleep(0.01)
-            assert not done.is_set()
-        counter.advance()
-        with trio.fail_after(5):
-            await done.wait()
+    counter.advance(3)
     assert counter.read() == 3
-
-
-async def test_step_wait_gives_up_with_the_reason() -> None:
-    counter = StepCounter()
-    reasons = iter([None, "room 5 ended"])
-    with trio.fail_after(5):
-        got = await wait_step(counter.read, 0, give_up=lambda: next(reasons), check_every=0.01)
-    assert got == "room 5 ended"
+    counter.advance(2**62 - 3)
+    assert counter.read() == 0
 
 
 class _Feedback:
@@ -188,3 +169,23 @@ async def _nursery_raising_key() -> None:
 
 async def _raise_key() -> None:
     raise KeyError("x")
+
+
+async def test_a_step_wait_stops_with_the_reason_the_peer_gives(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fabric = FakeFabric()
+    engine = AsyncFakeEngine(fabric=fabric)
+    feedback = _Feedback()
+    workers = TransferWorkers(engine, feedback, count=1, read_step=StepCounter().read)
+    chunk = StartTransfer(9, 0, (TransferInterval(5, ()),), True, ("127.0.0.1:1",))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(workers.run)
+        workers.submit(chunk)
+        await trio.sleep(3)
+        assert workers.in_flight() == 1  # still waiting for step 5
+        feedback.stop = "Cache-transfer layerwise peer failed for room 9"
+        await trio.sleep(0.2)
+        nursery.cancel_scope.cancel()
+    assert feedback.failed == [(9, None, "Cache-transfer layerwise peer failed for room 9")]
+    assert feedback.ok == []

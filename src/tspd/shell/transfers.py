@@ -36,11 +36,16 @@ from tspd.core.commands import StartTransfer
 from tspd.core.copies import DEFAULT_MAX_DESCRIPTORS, batches
 from tspd.engines.base import AsyncTransferEngine, TransferError
 from tspd.log import component_logger
-from tspd.shell.steps import wait_step
+from tspd.shell.offload import wait_step
 
 __all__ = ["TransferFeedback", "TransferWorkers", "WorkerStats"]
 
 log = component_logger("transfer")
+
+_NO_COUNTER = "Cache-transfer layerwise transfer has no producer step counter"
+
+#: A layerwise step wait re-checks its room and destinations this often.
+_WAIT_CHECK_S = 0.1
 
 
 class TransferFeedback(Protocol):
@@ -126,6 +131,21 @@ class TransferWorkers:
             finally:
                 self._busy -= 1
 
+    async def _wait_step(
+        self, chunk: StartTransfer, target: int, read: Callable[[], int]
+    ) -> str | None:
+        """Wait for producer step ``target``, re-checking every ~100 ms whether the
+        room ended or a destination failed (spec §7.9.2); the reason to stop, else
+        ``None`` once the step landed."""
+        while True:
+            reason = self._feedback.wait_should_stop(chunk)
+            if reason is not None:
+                return reason
+            with trio.move_on_after(_WAIT_CHECK_S) as slice_:
+                await wait_step(read, target)
+            if not slice_.cancelled_caught:
+                return None
+
     async def _run_chunk(self, chunk: StartTransfer) -> None:
         self.stats.chunks += 1
         for interval in chunk.intervals:
@@ -138,11 +158,7 @@ class TransferWorkers:
                         "Cache-transfer layerwise transfer has no producer step counter",
                     )
                     return
-                stop = await wait_step(
-                    self._read_step,
-                    interval.target_step,
-                    give_up=lambda: self._feedback.wait_should_stop(chunk),
-                )
+                stop = await self._wait_step(chunk, interval.target_step, self._read_step)
                 if stop is not None:
                     self.stats.failed_chunks += 1
                     self._feedback.chunk_failed(chunk, None, stop)
