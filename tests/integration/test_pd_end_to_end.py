@@ -89,6 +89,24 @@ async def test_demo_moves_verified_bytes(
         assert all(stats[k] == 0 for k in keys), (name, stats)
 
 
+async def test_demo_reports_every_room_failed_when_the_bytes_differ() -> None:
+    """A Decode that expects another seed's pattern sees wrong bytes and a wrong
+    token in every room: the demo says so, room by room, and is not ok."""
+    options = DemoOptions(
+        workload=_workload(range(5100, 5106), fixed_prompt_pages=2),
+        prefill_tp=1,
+        decode_tp=1,
+        in_flight=4,
+        timeout=60,
+        decode_args=("--seed", str(SEED + 1)),
+    )
+    summary = await run_demo(options)
+    assert summary.errors == []
+    assert not summary.ok
+    assert (summary.succeeded, summary.failed) == (0, 6)
+    assert all("differ from the pattern" in reason for reason in summary.reasons.values())
+
+
 # ------------------------------------------------------------- one side in this process
 
 

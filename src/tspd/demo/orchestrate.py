@@ -65,7 +65,10 @@ class DemoOptions:
     timeout: float = 180.0
     bootstrap_timeout: float = 30.0
     waiting_timeout: float = 60.0
-    extra_role_args: tuple[str, ...] = ()
+    #: Extra command-line arguments for every Prefill / Decode role process (they
+    #: come last, so they override the demo's own).
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -258,7 +261,7 @@ def _role_args(
         args.append("--layerwise")
     if opts.scatter:
         args.append("--scatter")
-    args += list(opts.extra_role_args)
+    args += list(opts.prefill_args if role == "prefill" else opts.decode_args)
     return args
 
 
