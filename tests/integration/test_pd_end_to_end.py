@@ -36,7 +36,13 @@ from tspd.shell.bootstrap import open_bootstrap_server
 from tspd.shell.decode import DecodePeer, DecodeSettings, open_decode_peer
 from tspd.shell.offload import EngineRunner
 from tspd.shell.ports import free_port
-from tspd.shell.prefill import PrefillPeer, PrefillSettings, RemoteDecodeRow, open_prefill_peer
+from tspd.shell.prefill import (
+    PrefillPeer,
+    PrefillSettings,
+    ReleaseRefused,
+    RemoteDecodeRow,
+    open_prefill_peer,
+)
 from tspd.testing.layouts import PageAllocator
 
 pytest.importorskip("mooncake.engine")
@@ -380,6 +386,40 @@ async def test_write_to_a_hung_decode_is_bounded_by_the_transfer_timeout(
             assert (
                 record["reason"] == "Failed to get kvcache from prefill instance, it might be dead"
             )
+        _assert_prefill_empty(peer)
+
+
+async def test_sleep_releases_and_wake_restores_the_registered_arena(
+    nursery: trio.Nursery,
+) -> None:
+    """Release is refused while a request is tracked (the error lists its room); after
+    a release and restore on the real engine the same arena serves the next room."""
+    workload = _workload(range(450, 452))
+    async with in_process_prefill(workload) as (peer, bootstrap):
+        async with role_process(
+            nursery,
+            workload,
+            "decode",
+            "--rooms",
+            "450:452",
+            "--bootstrap",
+            bootstrap,
+            "--in-flight",
+            "1",
+        ) as decode:
+            peer.register_request("held", 450)
+            with pytest.raises(ReleaseRefused, match=r"rooms \[450\]"):
+                peer.release_registration()
+            assert isinstance(await poll_for(peer, "held"), Bootstrapped)
+            peer.abort(450, "the engine went to sleep")
+            assert isinstance(await poll_for(peer, "held"), Failed)
+            assert (await decode.wait("room", room=450))["reason"] == (
+                "Failed to get kvcache from prefill instance, it might be dead"
+            )
+            peer.release_registration()
+            peer.restore_registration()
+            assert isinstance(await prefill_room(peer, workload, 451), Succeeded)
+            assert (await decode.wait("room", room=451))["ok"]
         _assert_prefill_empty(peer)
 
 
