@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
+from collections.abc import Callable, Sequence
 
 import msgpack
 import pytest
@@ -15,6 +17,7 @@ from tspd.core.kv_events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    _batch_from_obj,
     block_hash,
     chain_block_hashes,
     decode_batch,
@@ -198,6 +201,88 @@ def test_any_bytes_decode_or_raise_wire_error(payload: bytes) -> None:
 def test_encoding_rejects_integers_outside_64_bits() -> None:
     with pytest.raises(ValueError, match="64-bit"):
         encode_batch(KVEventBatch(0.0, (BlockRemoved((1 << 64,)),), 0))
+
+
+# The decoder's fast path (TokenSpeed's shape) must agree with its careful path on
+# every input: same batch, or the same error message.
+
+_FIELD = st.one_of(
+    st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Other"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 63), U64),
+    st.sampled_from([-1, 0, 1, U64, 1.5, b"\x01" * 4, "GPU"]),
+    st.lists(st.integers(-2, 3) | st.sampled_from([U64, True, 2.5, b"h", None]), max_size=3),
+)
+_STORED = st.tuples(
+    st.just("BlockStored"),
+    st.lists(st.integers(0, U64), max_size=3),
+    st.none() | st.integers(0, U64),
+    st.lists(st.integers(-(1 << 63), U64), max_size=3),
+    st.integers(-4, 1 << 20),
+).map(list)
+_REMOVED = st.tuples(st.just("BlockRemoved"), st.lists(st.integers(0, U64), max_size=3)).map(list)
+_VALID_EVENT = _STORED | _REMOVED | st.just(["AllBlocksCleared"])
+
+
+def _mutated(event_index_field: tuple[Sequence[object], int, object]) -> list[object]:
+    """A valid event with one field replaced, or one trailing field added."""
+    event, index, field = event_index_field
+    if index == len(event):
+        return [*event, field]
+    return [*event[:index], field, *event[index + 1 :]]
+
+
+_RAW_EVENT = st.one_of(
+    _VALID_EVENT,
+    st.tuples(_VALID_EVENT, st.integers(0, 5), _FIELD)
+    .filter(lambda t: t[1] <= len(t[0]))
+    .map(_mutated),
+    st.lists(_FIELD, max_size=6),
+    _FIELD,
+)
+_RAW_BATCH = st.one_of(
+    st.tuples(st.just(1.0), st.lists(_VALID_EVENT, max_size=4), st.none() | st.integers(0, 9)),
+    st.tuples(st.just(1.0), st.lists(_RAW_EVENT, max_size=4), st.none()),
+    st.tuples(_FIELD, st.lists(_RAW_EVENT, max_size=3), _FIELD),
+    st.lists(_FIELD, max_size=4),
+).map(list)
+
+
+def _outcome(decode: Callable[[], KVEventBatch]) -> object:
+    try:
+        return decode()
+    except WireError as exc:
+        return f"WireError: {exc}"
+
+
+@given(_RAW_BATCH)
+def test_fast_and_careful_decoding_agree(obj: object) -> None:
+    payload = msgpack.packb(obj)
+    careful = _outcome(lambda: _batch_from_obj(msgpack.unpackb(payload, use_list=False)))
+    assert _outcome(lambda: decode_batch(payload)) == careful
+
+
+@given(batches)
+def test_decoded_events_are_ordinary_frozen_structs(batch: KVEventBatch) -> None:
+    decoded = decode_batch(encode_batch(batch))
+    assert [type(e) for e in decoded.events] == [type(e) for e in batch.events]
+    assert hash(decoded) == hash(batch)
+    for event in decoded.events:
+        assert repr(event) == repr(dataclasses.replace(event))
+        if not isinstance(event, AllBlocksCleared):
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                event.medium = "GPU"  # type: ignore[misc]
+
+
+def test_a_tokenspeed_batch_decodes_fast_with_every_field() -> None:
+    batch = decode_batch(GOLDEN_BATCH)
+    assert batch == KVEventBatch(
+        1.5, (BlockStored((123,), None, (1, 2), 2), BlockRemoved((123,))), dp_rank=2
+    )
+    stored = batch.events[0]
+    assert isinstance(stored, BlockStored)
+    assert (stored.medium, stored.group_idx, stored.lora_name) == (None, None, None)
 
 
 def _fnv1a_reference(data: bytes) -> int:
