@@ -47,6 +47,7 @@ from tspd.engines.mooncake import MooncakeEngine
 from tspd.log import component_logger
 from tspd.shell.agreement import ReplicaAgreement, SingleRank, ZmqAgreement
 from tspd.shell.arena import HostArena, clear_room, fill_room, verify_room
+from tspd.shell.bootstrap import BootstrapClient
 from tspd.shell.decode import DecodeSettings, open_decode_peer
 from tspd.shell.offload import EngineRunner
 from tspd.shell.prefill import PrefillPeer, PrefillSettings, RemoteDecodeRow, open_prefill_peer
@@ -292,6 +293,28 @@ async def _prefill_forward(
         log.error("hand-over refused: %s", err)
 
 
+async def _wait_for_prefill(opts: RoleOptions, reporter: Reporter, limit: float = 120.0) -> None:
+    """Wait until the Prefill instance's bootstrap server knows every rank (a Decode
+    started first would otherwise fail its first rooms)."""
+    async with BootstrapClient() as client:
+        with trio.move_on_after(limit):
+            announced = False
+            while True:
+                try:
+                    await client.get_parallel_info(opts.bootstrap)
+                    return
+                except TspdError as err:
+                    if not announced:
+                        reporter.announce(
+                            f"waiting for the Prefill instance at {opts.bootstrap}: {err}"
+                        )
+                        announced = True
+                await trio.sleep(0.2)
+    raise ConfigError(
+        f"the Prefill instance at {opts.bootstrap} did not become ready within {limit:.0f}s"
+    )
+
+
 async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
     """Serve the workload as one Decode rank; returns how many rooms failed (a byte
     or token mismatch counts as a failure)."""
@@ -310,6 +333,7 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
         heartbeat_max_failures=opts.heartbeat_max_failures,
     )
     settings = DecodeSettings(host=opts.host, heartbeat_interval=opts.heartbeat_interval)
+    await _wait_for_prefill(opts, reporter)
     pages = PageAllocator(contract, contiguous=not opts.scatter)
     engine = _engine(opts.host)
     failed = 0
