@@ -10,7 +10,13 @@ Measured, with ``time.perf_counter`` loops after a warmup (best of a few rounds)
   pre-allocation, hand-over, copy planning, status, polls), with tiny pages so the
   byte copies do not dominate, for equal TP and for Prefill TP2 → Decode TP1;
 * one pre-allocation handled by a Prefill core (decode, registration lookup,
-  manifest validation, fan-out), for a room of ``pages`` pages.
+  manifest validation, fan-out), for a room of ``pages`` pages;
+* one scheduler iteration's ``poll_values`` + ``conclude`` with ``N`` requests
+  tracked and in flight (Prefill rooms ``Bootstrapped``, Decode rooms
+  ``WaitingForInput``: nothing concludes), per side — what every engine iteration
+  pays — and one ``next_deadline()`` with ``N`` rooms holding a deadline (Decode:
+  waiting for input; Prefill: pre-allocated but not yet claimed), which the shell
+  reads after every call into a core.
 
 Figures only; nothing here asserts a speed.
 """
@@ -37,15 +43,17 @@ __all__ = ["RoomRow", "RoomSizes", "rooms", "run_room_benchmarks"]
 
 @dataclass(frozen=True, slots=True)
 class RoomSizes:
-    """Pages in the pre-allocated room, seconds per round, rounds."""
+    """Pages in the pre-allocated room, seconds per round, rounds, and the tracked
+    request counts of the poll and deadline rows."""
 
     pages: int
     min_seconds: float
     rounds: int
+    tracked: tuple[int, ...] = (256, 1024)
 
 
 FULL = RoomSizes(pages=1024, min_seconds=0.2, rounds=5)
-QUICK = RoomSizes(pages=16, min_seconds=0.002, rounds=1)
+QUICK = RoomSizes(pages=16, min_seconds=0.002, rounds=1, tracked=(16,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +156,72 @@ def _preallocation_row(sizes: RoomSizes) -> RoomRow:
     )
 
 
+def _in_flight_pair(tracked: int, *, claimed: bool) -> CorePair:
+    """A TP1 -> TP1 pair with ``tracked`` requests pre-allocated, one 4-token page
+    each, and never handed over. ``claimed``: Prefill registered them too (its rooms
+    are ``Bootstrapped``); otherwise its rooms are unclaimed (each holds a TTL)."""
+
+    def contract() -> list:  # type: ignore[type-arg]
+        return [
+            multi_layer_contract(
+                layers=1, num_pages=tracked + 1, heads=1, head_dim=1, dtype="uint8"
+            )
+        ]
+
+    pair = CorePair(contract(), contract())
+    for room in range(tracked):
+        pair.register_decode(f"r{room}", room)
+        if claimed:
+            pair.register_prefill(f"r{room}", room)
+    pair.poll_decode()
+    for room in range(tracked):
+        pair.preallocate(room, prompt_len=4)
+    pair.poll_prefill()
+    pair.advance(1.0)
+    return pair
+
+
+def _poll_rows(tracked: int, sizes: RoomSizes) -> list[RoomRow]:
+    pair = _in_flight_pair(tracked, claimed=True)
+    prefill, decode, now = pair.prefill[0], pair.decode[0], pair.now
+
+    def prefill_round() -> None:
+        if prefill.conclude(prefill.poll_values(now), now):
+            raise AssertionError("a Prefill request concluded: the benchmark state is wrong")
+
+    def decode_round() -> None:
+        if decode.conclude(decode.poll_values(now), now):
+            raise AssertionError("a Decode request concluded: the benchmark state is wrong")
+
+    unclaimed = _in_flight_pair(tracked, claimed=False)
+    try:
+        return [
+            RoomRow(
+                f"Prefill poll_values + conclude, {tracked} tracked",
+                _micros(prefill_round, sizes),
+                "iteration",
+            ),
+            RoomRow(
+                f"Decode poll_values + conclude, {tracked} tracked",
+                _micros(decode_round, sizes),
+                "iteration",
+            ),
+            RoomRow(
+                f"Prefill next_deadline, {tracked} unclaimed rooms",
+                _micros(unclaimed.prefill[0].next_deadline, sizes),
+                "call",
+            ),
+            RoomRow(
+                f"Decode next_deadline, {tracked} rooms waiting",
+                _micros(decode.next_deadline, sizes),
+                "call",
+            ),
+        ]
+    finally:
+        pair.close()
+        unclaimed.close()
+
+
 def run_room_benchmarks(sizes: RoomSizes) -> list[RoomRow]:
     """Every measurement, in table order."""
     return [
@@ -155,6 +229,7 @@ def run_room_benchmarks(sizes: RoomSizes) -> list[RoomRow]:
         _journey_row("request journey, TP1 -> TP1", 1, 1, sizes),
         _journey_row("request journey, TP2 -> TP1", 2, 1, sizes),
         _preallocation_row(sizes),
+        *(row for tracked in sizes.tracked for row in _poll_rows(tracked, sizes)),
     ]
 
 
