@@ -51,6 +51,8 @@ async def test_push_pool_sends_in_order_and_closes_its_sockets() -> None:
     pull = open_socket(ctx, zmq.PULL)
     port = bind_free_port(pull)
     pool = PushPool(ctx, name="test")
+    pool.send_nowait("127.0.0.1", port, [b"too early"])
+    assert pool.stats.dropped == 1
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
         for i in range(50):
