@@ -140,6 +140,9 @@ def _table_machine(declaration: MachineDeclaration, compiled: CompiledMachine) -
         def table_matches_model(self) -> None:
             for room in range(5):
                 assert self.table.state(room) is self.model.get(room, RoomState.ABSENT)
+                # The hot-loop int view agrees with the state after every transition.
+                assert self.table.wire_values.get(room, 0) == int(self.table.poll(room))
+                assert (room in self.table.wire_values) is (room in self.model)
                 if room in self.reasons:
                     assert self.table.failure(room) == self.reasons[room]
             assert len(self.table) == len(self.model)
@@ -323,5 +326,14 @@ def test_rooms_benchmark_quick_run_prints_every_row() -> None:
 
     result = CliRunner().invoke(main, ["bench", "rooms", "--quick"])
     assert result.exit_code == 0, result.output
-    for what in ("compiled table", "transitions.Machine", "TP2 -> TP1", "pre-allocation"):
+    for what in (
+        "compiled table",
+        "transitions.Machine",
+        "TP2 -> TP1",
+        "pre-allocation",
+        "Prefill poll_values + conclude, 16 tracked",
+        "Decode poll_values + conclude, 16 tracked",
+        "Prefill next_deadline, 16 unclaimed",
+        "Decode next_deadline, 16 rooms waiting",
+    ):
         assert what in result.output

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from tspd.core import wire
 from tspd.core.commands import (
@@ -98,6 +99,12 @@ _FANOUT = "pre-allocation exceeds destination fanout"
 _TOKEN_UNAVAILABLE = "Cache-transfer bootstrap token is unavailable"
 _MAX_TOKEN = 2**63 - 1
 _MIN_INT32, _MAX_INT32 = -(2**31), 2**31 - 1
+#: TransferPoll values as plain ints: the per-iteration poll and conclude compare
+#: these instead of building an enum per tracked request.
+_FAILED: Final = int(TransferPoll.FAILED)
+_BOOTSTRAPPING: Final = int(TransferPoll.BOOTSTRAPPING)
+_BOOTSTRAPPED: Final = int(TransferPoll.BOOTSTRAPPED)
+_SUCCESS: Final = int(TransferPoll.SUCCESS)
 _TIMEOUT_WARNING = (
     "Some requests timed out when bootstrapping: the decode instance never sent their "
     "cache manifest. Raise TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT if a longer TTFT "
@@ -203,7 +210,8 @@ class _Sender:
     room: int
     started: float
     local: RoomState = RoomState.BOOTSTRAPPING
-    concluded: TransferPoll | None = None
+    #: The wire value this rank reports from now on (``Success`` or ``Failed``).
+    concluded: int | None = None
     #: Set when this rank's bootstrap timeout concluded the request.
     timeout_stage: str | None = None
 
@@ -612,18 +620,19 @@ class PrefillCore:
         all-reduce (spec §7.4 step 1). A request bootstrapping past the bootstrap
         timeout concludes ``Failed`` here, with its reason."""
         values: list[int] = []
+        append = values.append
+        value_of = self._rooms.wire_values.get
         timeout = self.config.bootstrap_timeout
         for sender in self._senders.values():
-            if sender.concluded is None:
-                status = self._rooms.poll(sender.room)
-                if status in (TransferPoll.SUCCESS, TransferPoll.FAILED):
-                    sender.concluded = status
-                elif status is TransferPoll.BOOTSTRAPPING and now - sender.started >= timeout:
+            value = sender.concluded
+            if value is None:
+                value = value_of(sender.room, _FAILED)
+                if value in (_SUCCESS, _FAILED):
+                    sender.concluded = value
+                elif value == _BOOTSTRAPPING and now - sender.started >= timeout:
                     self._bootstrap_timed_out(sender, now)
-                    status = TransferPoll.FAILED
-                values.append(int(status))
-            else:
-                values.append(int(sender.concluded))
+                    value = _FAILED
+            append(value)
         return values
 
     def _bootstrap_timed_out(self, sender: _Sender, now: float) -> None:
@@ -638,7 +647,7 @@ class PrefillCore:
         self._rooms.record_failure(sender.room, reason)
         self._rooms.fire(sender.room, PrefillTrigger.BOOTSTRAP_TIMEOUT)
         sender.timeout_stage = "bootstrapping"
-        sender.concluded = TransferPoll.FAILED
+        sender.concluded = _FAILED
 
     def conclude(self, agreed: Sequence[int], now: float) -> list[Event]:
         """Apply the group's agreed values (spec §7.4 steps 3-4) and return the
@@ -649,24 +658,34 @@ class PrefillCore:
                 f"the replica agreement returned {len(agreed)} values for "
                 f"{len(senders)} tracked requests: every rank must track the same requests"
             )
-        self._log_stalls(senders, agreed, now)
+        # The stall warning goes before anything this call queues; its candidates
+        # are collected in the same pass as the events.
+        stall_due = (
+            self._stall_logged_at is None or now - self._stall_logged_at >= BOOTSTRAP_STALL_S
+        )
+        stall_at = len(self._commands)
+        stalled: list[_Sender] = []
         events: list[Event] = []
         for sender, value in zip(senders, agreed, strict=True):
-            poll = TransferPoll.from_wire(value)
-            if sender.local is RoomState.BOOTSTRAPPING and poll in (
-                TransferPoll.BOOTSTRAPPED,
-                TransferPoll.SUCCESS,
-            ):
-                # A room may succeed before its Bootstrapped event went out: the event
-                # comes first, Succeeded on the next poll.
-                sender.local = RoomState.BOOTSTRAPPED
-                events.append(Bootstrapped(sender.rid))
-            elif poll is TransferPoll.FAILED:
+            # Plain int comparisons: any value outside Bootstrapping..Success reads
+            # as Failed, as TransferPoll.from_wire would say.
+            if value in (_BOOTSTRAPPED, _SUCCESS):
+                if sender.local is RoomState.BOOTSTRAPPING:
+                    # A room may succeed before its Bootstrapped event went out: the
+                    # event comes first, Succeeded on the next poll.
+                    sender.local = RoomState.BOOTSTRAPPED
+                    events.append(Bootstrapped(sender.rid))
+                elif value == _SUCCESS and sender.local is RoomState.BOOTSTRAPPED:
+                    events.append(Succeeded(sender.rid))
+                    self._forget_request(sender, now)
+            elif value == _BOOTSTRAPPING:
+                if stall_due and now - sender.started >= BOOTSTRAP_STALL_S:
+                    stalled.append(sender)
+            elif not _BOOTSTRAPPING <= value <= _SUCCESS:
                 events.append(Failed(sender.rid, self._fail_concluded(sender, now)))
                 self._forget_request(sender, now)
-            elif sender.local is RoomState.BOOTSTRAPPED and poll is TransferPoll.SUCCESS:
-                events.append(Succeeded(sender.rid))
-                self._forget_request(sender, now)
+        if stalled:
+            self._log_stalls(stalled, stall_at, now)
         return events
 
     def _fail_concluded(self, sender: _Sender, now: float) -> str:
@@ -688,21 +707,21 @@ class PrefillCore:
         self._tracked.pop(room, None)
         self._forget_room(room, Mark.CONCLUDED, now)
 
-    def _log_stalls(self, senders: list[_Sender], agreed: Sequence[int], now: float) -> None:
-        if self._stall_logged_at is not None and now - self._stall_logged_at < BOOTSTRAP_STALL_S:
-            return
-        stalled = [
-            f"{s.rid}(room={s.room}, age={now - s.started:.0f}s)"
-            for s, value in zip(senders, agreed, strict=True)
-            if value == TransferPoll.BOOTSTRAPPING and now - s.started >= BOOTSTRAP_STALL_S
-        ][:_STALL_LISTED]
-        if stalled:
-            self._stall_logged_at = now
-            self._log(
+    def _log_stalls(self, stalled: list[_Sender], at: int, now: float) -> None:
+        """Queue the stall warning at command position ``at`` (before the events'
+        commands of the same conclude), listing the first few stalled requests."""
+        self._stall_logged_at = now
+        listed = ", ".join(
+            f"{s.rid}(room={s.room}, age={now - s.started:.0f}s)" for s in stalled[:_STALL_LISTED]
+        )
+        self._commands.insert(
+            at,
+            Log(
                 LogLevel.WARNING,
-                "requests still bootstrapping (their Decode ranks have not all "
-                f"pre-allocated): {', '.join(stalled)}",
-            )
+                f"requests still bootstrapping (their Decode ranks have not all pre-allocated): "
+                f"{listed}",
+            ),
+        )
 
     def abort(self, room: int, reason: str, now: float) -> None:
         """Fail ``room`` with ``reason`` and notify its destinations (spec §7.9.1;

@@ -11,12 +11,16 @@ machine (:mod:`tspd.core.machines`), so the table inherits its rules:
 * a room that ends is forgotten entirely — state and reason — so the table holds
   nothing once its rooms have ended (:meth:`RoomTable.__len__`).
 
+Beside each state the table keeps the room's :class:`TransferPoll` value as a plain
+``int`` (:attr:`RoomTable.wire_values`), updated on every transition: the cores'
+per-iteration polls read hundreds of rooms and need neither the state nor an enum.
+
 The table is not thread-safe: the shell owns it from one task.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from tspd.core.machines import CompiledMachine, RoomState
 from tspd.core.poll import TransferPoll
@@ -26,6 +30,11 @@ __all__ = ["RoomTable"]
 _FAIL = "fail"
 _FORGET = "forget"
 
+#: The wire value of every state that has an entry.
+_WIRE_VALUE: dict[RoomState, int] = {
+    state: int(poll) for state in RoomState if (poll := state.poll) is not None
+}
+
 
 class RoomTable:
     """Room states and failure reasons of one rank, driven through ``machine``.
@@ -34,12 +43,27 @@ class RoomTable:
     do).
     """
 
-    __slots__ = ("_machine", "_reasons", "_states")
+    __slots__ = ("_machine", "_next", "_reasons", "_states", "_values")
 
     def __init__(self, machine: CompiledMachine) -> None:
         self._machine = machine
+        #: The machine's table with its destinations as :class:`RoomState` members,
+        #: so a transition costs one lookup and no enum construction.
+        self._next: dict[tuple[str, str], RoomState] = {
+            key: RoomState(dest) for key, dest in machine.table.items()
+        }
         self._states: dict[int, RoomState] = {}
+        self._values: dict[int, int] = {}
         self._reasons: dict[int, str] = {}
+
+    @property
+    def wire_values(self) -> Mapping[int, int]:
+        """Each room with an entry -> its :class:`TransferPoll` value as an ``int``.
+
+        A live read-only view for hot loops: ``wire_values.get(room, 0)`` is
+        :meth:`poll` without the enum (an absent room reads ``FAILED`` = 0).
+        """
+        return self._values
 
     def state(self, room: int) -> RoomState:
         """The room's state; ``ABSENT`` when it has no entry."""
@@ -69,12 +93,18 @@ class RoomTable:
         machine does not allow it. A room whose new state is ``ABSENT`` is forgotten
         together with its reason.
         """
-        new = RoomState(self._machine.fire(self.state(room), trigger))
+        key = (self.state(room), trigger)
+        new = self._next.get(key)
+        if new is None:
+            # Not allowed: the machine raises its operator-facing ProtocolError.
+            new = RoomState(self._machine.fire(*key))
         if new is RoomState.ABSENT:
             self._states.pop(room, None)
+            self._values.pop(room, None)
             self._reasons.pop(room, None)
         else:
             self._states[room] = new
+            self._values[room] = _WIRE_VALUE[new]
         return new
 
     def record_failure(self, room: int, reason: str) -> bool:
