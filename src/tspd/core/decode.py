@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from tspd.core import wire
 from tspd.core.bootstrap import ParallelInfo, RankInfo
@@ -70,6 +71,13 @@ _EARLY_COMPLETION = "Received KV completion before its transfer route was regist
 _UNEXPECTED_RANK = "Received KV completion from an unexpected Prefill TP rank"
 _SET_MISMATCH = "Prefill TP completion set disagrees with the transfer route"
 _PREFILL_FAILED = "Failed to get kvcache from prefill instance, it might be dead"
+#: TransferPoll values as plain ints: the per-iteration poll and conclude compare
+#: these instead of building an enum per tracked request.
+_FAILED: Final = int(TransferPoll.FAILED)
+_BOOTSTRAPPING: Final = int(TransferPoll.BOOTSTRAPPING)
+_BOOTSTRAPPED: Final = int(TransferPoll.BOOTSTRAPPED)
+_WAITING_FOR_INPUT: Final = int(TransferPoll.WAITING_FOR_INPUT)
+_SUCCESS: Final = int(TransferPoll.SUCCESS)
 _WAITING_WARNING = (
     "Some requests timed out waiting for their KV cache: the prefill instance never "
     "reported them. Raise TOKENSPEED_DISAGGREGATION_WAITING_TIMEOUT if a longer TTFT "
@@ -117,7 +125,8 @@ class _Receiver:
     addr: str
     started: float
     local: RoomState = RoomState.BOOTSTRAPPING
-    concluded: TransferPoll | None = None
+    #: The wire value this rank reports from now on (``Success`` or ``Failed``).
+    concluded: int | None = None
     timeout_stage: str | None = None
 
 
@@ -632,7 +641,7 @@ class DecodeCore:
         self._rooms.record_failure(room, reason)
         self._rooms.fire(room, DecodeTrigger.WAITING_TIMEOUT)
         receiver.timeout_stage = "waiting_for_input"
-        receiver.concluded = TransferPoll.FAILED
+        receiver.concluded = _FAILED
         return True
 
     def poll_values(self, now: float) -> list[int]:
@@ -640,16 +649,17 @@ class DecodeCore:
         all-reduce (spec §7.6). A request waiting for input past the waiting timeout
         concludes ``Failed`` with its reason."""
         values: list[int] = []
+        append = values.append
+        value_of = self._rooms.wire_values.get
         for receiver in self._receivers.values():
             if receiver.concluded is None:
                 self._check_waiting(receiver, now)
-            if receiver.concluded is not None:
-                values.append(int(receiver.concluded))
-                continue
-            status = self._rooms.poll(receiver.room)
-            if status in (TransferPoll.SUCCESS, TransferPoll.FAILED):
-                receiver.concluded = status
-            values.append(int(status))
+            value = receiver.concluded
+            if value is None:
+                value = value_of(receiver.room, _FAILED)
+                if value in (_SUCCESS, _FAILED):
+                    receiver.concluded = value
+            append(value)
         return values
 
     def conclude(self, agreed: Sequence[int], now: float) -> list[Event]:
@@ -663,9 +673,18 @@ class DecodeCore:
             )
         events: list[Event] = []
         for receiver, value in zip(receivers, agreed, strict=True):
-            poll = TransferPoll.from_wire(value)
-            room = receiver.room
-            if poll is TransferPoll.FAILED:
+            # Plain int comparisons: any value outside Bootstrapping..Success reads
+            # as Failed, as TransferPoll.from_wire would say.
+            if _BOOTSTRAPPING <= value <= _SUCCESS:
+                if receiver.local is RoomState.BOOTSTRAPPING:
+                    if value in (_BOOTSTRAPPED, _WAITING_FOR_INPUT, _SUCCESS):
+                        receiver.local = RoomState.BOOTSTRAPPED
+                        events.append(Bootstrapped(receiver.rid))
+                elif value == _SUCCESS and receiver.local is RoomState.BOOTSTRAPPED:
+                    events.append(self._prefill_done(receiver))
+                    self._forget(receiver, now)
+            else:
+                room = receiver.room
                 if self._rooms.state(room) is not RoomState.FAILED:
                     self._fail(
                         room,
@@ -676,26 +695,18 @@ class DecodeCore:
                 reason = self._rooms.failure(room) or f"Request {room} failed"
                 events.append(Failed(receiver.rid, reason))
                 self._forget(receiver, now)
-            elif receiver.local is RoomState.BOOTSTRAPPING and poll in (
-                TransferPoll.BOOTSTRAPPED,
-                TransferPoll.WAITING_FOR_INPUT,
-                TransferPoll.SUCCESS,
-            ):
-                receiver.local = RoomState.BOOTSTRAPPED
-                events.append(Bootstrapped(receiver.rid))
-            elif receiver.local is RoomState.BOOTSTRAPPED and poll is TransferPoll.SUCCESS:
-                completion = self._completions.get(room) or _Completion()
-                events.append(
-                    RemotePrefillDone(
-                        receiver.rid,
-                        completion.bootstrap_token,
-                        completion.spec_candidate_ids or (),
-                        completion.cached_tokens,
-                        completion.bootstrap_logprob,
-                    )
-                )
-                self._forget(receiver, now)
         return events
+
+    def _prefill_done(self, receiver: _Receiver) -> RemotePrefillDone:
+        """The event of a request whose KV arrived, with what Prefill reported."""
+        completion = self._completions.get(receiver.room) or _Completion()
+        return RemotePrefillDone(
+            receiver.rid,
+            completion.bootstrap_token,
+            completion.spec_candidate_ids or (),
+            completion.cached_tokens,
+            completion.bootstrap_logprob,
+        )
 
     # ------------------------------------------------------------------ timers
 
