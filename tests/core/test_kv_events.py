@@ -24,6 +24,7 @@ from tspd.core.kv_events import (
     decode_pub_frames,
     encode_batch,
     encode_event,
+    encode_events,
     encode_pub_frames,
     encode_seq,
     from_scheduler_event,
@@ -97,6 +98,7 @@ batches = st.builds(
 def test_round_trip_and_plain_msgpack_view(batch: KVEventBatch) -> None:
     payload = encode_batch(batch)
     assert decode_batch(payload) == batch
+    assert encode_events(batch.ts, iter(batch.events), batch.dp_rank) == payload
     plain = msgpack.unpackb(payload, raw=False)
     assert plain[0] == batch.ts
     assert [event[0] for event in plain[1]] == [type(e).__name__ for e in batch.events]

@@ -63,7 +63,7 @@ from tspd.core.kv_config import (
     parse_kv_events_config,
     pub_binds,
 )
-from tspd.core.kv_events import KVEvent, KVEventBatch, encode_batch
+from tspd.core.kv_events import KVEvent, encode_events
 from tspd.core.replay import (
     ReplayBuffer,
     ReplayRequest,
@@ -386,7 +386,7 @@ class KVEventPublisher:
 
     def _encode(self, events: Sequence[KVEvent], ts: float | None) -> Item:
         stamp = time.time() if ts is None else ts
-        return encode_batch(KVEventBatch(stamp, tuple(events), self._dp_rank)), len(events)
+        return encode_events(stamp, events, self._dp_rank), len(events)
 
     def _warn_dropped(self) -> None:
         if not self._warned_closed:
