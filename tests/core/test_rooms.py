@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -24,7 +24,7 @@ from tspd.core.machines import (
     RoomState,
 )
 from tspd.core.poll import TransferPoll
-from tspd.core.rooms import RoomTable
+from tspd.core.rooms import RoomClocks, RoomTable
 from tspd.testing.core_pair import CorePair
 from tspd.testing.layouts import simple_contract
 
@@ -160,6 +160,67 @@ TestPrefillRoomTable = _table_machine(PREFILL_ROOM, PREFILL_ROOM_TABLE).TestCase
 TestDecodeRoomTable = _table_machine(DECODE_ROOM, DECODE_ROOM_TABLE).TestCase
 
 
+# --- per-room clocks against a brute-force dict ---------------------------------------
+
+CLOCK_ROOMS = st.integers(min_value=0, max_value=60)
+TIMES = st.integers(min_value=0, max_value=50).map(float)
+CLOCK_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("start"), CLOCK_ROOMS, TIMES),
+        st.tuples(st.just("setdefault"), CLOCK_ROOMS, TIMES),
+        st.tuples(st.just("pop"), CLOCK_ROOMS, TIMES),
+        st.tuples(st.just("expire"), CLOCK_ROOMS, TIMES),
+    ),
+    max_size=300,
+)
+
+
+@given(CLOCK_OPS)
+def test_room_clocks_earliest_and_expiry_match_a_brute_force_scan(
+    ops: list[tuple[str, int, float]],
+) -> None:
+    clocks = RoomClocks()
+    model: dict[int, float] = {}
+    for op, room, at in ops:
+        if op == "start":
+            clocks.start(room, at)
+            model[room] = at
+        elif op == "setdefault":
+            assert clocks.setdefault(room, at) == model.setdefault(room, at)
+        elif op == "pop":
+            assert clocks.pop(room) == model.pop(room, None)
+        else:
+            # ``room`` doubles as a TTL: rooms whose clock ran that long end.
+            ttl = float(room)
+            expired = clocks.pop_expired(at, ttl)
+            want = {r for r, since in model.items() if at - since >= ttl}
+            assert sorted(expired) == sorted(want)
+            assert [model[r] for r in expired] == sorted(model[r] for r in expired)
+            for r in want:
+                del model[r]
+        assert clocks.earliest() == min(model.values(), default=None)
+        assert len(clocks) == len(model)
+        assert dict(clocks.items()) == model
+        # Stale heap entries are compacted: memory follows the live clocks.
+        assert len(clocks._heap) <= 2 * len(model) + 32
+
+
+def test_room_clocks_restart_and_readd_keep_the_newest_start() -> None:
+    clocks = RoomClocks()
+    clocks.start(1, 5.0)
+    clocks.start(2, 7.0)
+    clocks.start(1, 9.0)  # restarted: its stale 5.0 entry must not count
+    assert clocks.earliest() == 7.0
+    assert clocks.pop_expired(20.0, 12.0) == [2]
+    assert clocks.earliest() == 9.0
+    clocks.pop(1)
+    clocks.start(1, 5.0)  # re-added with an old start
+    assert clocks.earliest() == 5.0
+    assert clocks.pop_expired(6.0, 1.0) == [1]
+    assert clocks.earliest() is None
+    assert 1 not in clocks
+
+
 # --- both cores under random event sequences ------------------------------------------
 
 _PAIR_CONTRACT = simple_contract(num_pages=64, page_bytes=32)
@@ -287,6 +348,20 @@ class PairMachine(RuleBasedStateMachine):
                 self.seen[(side, room)] = now
                 if now is RoomState.FAILED:
                     assert core.room_failure(room), (side, room)
+
+    @invariant()
+    def next_deadline_is_the_brute_force_earliest_expiry(self) -> None:
+        # The cores keep their deadlines in heaps; the dicts behind them are the
+        # truth, scanned here the way next_deadline used to.
+        prefill, decode = self.pair.prefill[0], self.pair.decode[0]
+        ttl = prefill.config.bootstrap_timeout
+        expiries = [since + ttl for _, since in prefill._per_room.unclaimed.items()]
+        session_ttl = prefill.config.failed_session_ttl
+        expiries += [at + session_ttl for at in prefill._failed_sessions.values()]
+        assert prefill.next_deadline() == min(expiries, default=None)
+        waiting = decode.config.waiting_timeout
+        want = min((s + waiting for _, s in decode._waiting_since.items()), default=None)
+        assert decode.next_deadline() == want
 
     def teardown(self) -> None:
         pair = self.pair

@@ -62,7 +62,7 @@ from tspd.core.machines import (
 from tspd.core.manifest import BlockManifest, build_manifest, validate_manifest
 from tspd.core.planner import RoutePlanner
 from tspd.core.poll import TransferPoll
-from tspd.core.rooms import RoomTable
+from tspd.core.rooms import RoomClocks, RoomTable
 from tspd.core.trace import Mark, ReasonClass, RoomTrace, RoomTracer, Side, TraceConfig
 
 __all__ = ["DecodeConfig", "DecodeCore"]
@@ -180,7 +180,12 @@ class DecodeCore:
         self._tracker: dict[str, set[int]] = {}
         self._routes: dict[int, _Route] = {}
         self._completions: dict[int, _Completion] = {}
-        self._waiting_since: dict[int, float] = {}
+        #: Rooms waiting for input -> since when; ``next_deadline`` reads its
+        #: earliest entry and ``handle_timeout`` drops the expired ones.
+        self._waiting_since = RoomClocks()
+        #: The same clocks until the poll (or the timer) has checked them once past
+        #: the waiting timeout: a room is checked once, not on every iteration.
+        self._waiting_unchecked = RoomClocks()
         self._commands: list[Command] = []
         self._waiting_warned = False
         self._trace = RoomTracer(Side.DECODE, config.tp_rank, config.trace)
@@ -316,7 +321,8 @@ class DecodeCore:
         self._rooms.forget(room)
         self._routes.pop(room, None)
         self._completions.pop(room, None)
-        self._waiting_since.pop(room, None)
+        self._waiting_since.pop(room)
+        self._waiting_unchecked.pop(room)
         tracked = self._tracker.get(receiver.addr)
         if tracked is not None:
             tracked.discard(room)
@@ -512,7 +518,8 @@ class DecodeCore:
             frames = full if target in route.expected else empty
             self._commands.append(SendFrames(info.rank_ip, info.rank_port, tuple(frames), room))
         self._rooms.fire(room, DecodeTrigger.PREALLOCATED)
-        self._waiting_since[room] = now
+        self._waiting_since.start(room, now)
+        self._waiting_unchecked.start(room, now)
         self._trace.mark(room, Mark.PREALLOCATED, now)
 
     # ------------------------------------------------------------------ status socket
@@ -644,16 +651,23 @@ class DecodeCore:
         receiver.concluded = _FAILED
         return True
 
+    def _check_expired_waits(self, now: float) -> None:
+        """Check, once each, the requests whose waiting clock ran out by ``now``: the
+        clocks' heap says which, so an iteration with none costs one comparison."""
+        for room in self._waiting_unchecked.pop_expired(now, self.config.waiting_timeout):
+            rid = self._rid_of_room.get(room)
+            if rid is not None:
+                self._check_waiting(self._receivers[rid], now)
+
     def poll_values(self, now: float) -> list[int]:
         """This rank's value per tracked request, in registration order, for the MIN
         all-reduce (spec §7.6). A request waiting for input past the waiting timeout
         concludes ``Failed`` with its reason."""
+        self._check_expired_waits(now)
         values: list[int] = []
         append = values.append
         value_of = self._rooms.wire_values.get
         for receiver in self._receivers.values():
-            if receiver.concluded is None:
-                self._check_waiting(receiver, now)
             value = receiver.concluded
             if value is None:
                 value = value_of(receiver.room, _FAILED)
@@ -711,20 +725,13 @@ class DecodeCore:
     # ------------------------------------------------------------------ timers
 
     def next_deadline(self) -> float | None:
-        """The earliest waiting-timeout expiry, or ``None``."""
-        return min(
-            (since + self.config.waiting_timeout for since in self._waiting_since.values()),
-            default=None,
-        )
+        """The earliest waiting-timeout expiry, or ``None``. O(1) amortised: the
+        shell reads it after every call into the core."""
+        since = self._waiting_since.earliest()
+        return None if since is None else since + self.config.waiting_timeout
 
     def handle_timeout(self, now: float) -> None:
         """Conclude every request waiting for input past the waiting timeout (the poll
         does the same; whichever runs first records the reason)."""
-        for receiver in self._receivers.values():
-            self._check_waiting(receiver, now)
-        for room in [
-            r
-            for r, since in self._waiting_since.items()
-            if now - since >= self.config.waiting_timeout
-        ]:
-            del self._waiting_since[room]
+        self._check_expired_waits(now)
+        self._waiting_since.pop_expired(now, self.config.waiting_timeout)

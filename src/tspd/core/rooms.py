@@ -15,18 +15,24 @@ Beside each state the table keeps the room's :class:`TransferPoll` value as a pl
 ``int`` (:attr:`RoomTable.wire_values`), updated on every transition: the cores'
 per-iteration polls read hundreds of rooms and need neither the state nor an enum.
 
-The table is not thread-safe: the shell owns it from one task.
+:class:`RoomClocks` keeps per-room timers (start times) with the earliest one at
+hand, for the cores' deadlines.
+
+Neither is thread-safe: the shell owns them from one task.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator, Mapping
 
 from tspd.core.machines import CompiledMachine, RoomState
 from tspd.core.poll import TransferPoll
 
-__all__ = ["RoomTable"]
+__all__ = ["RoomClocks", "RoomTable"]
 
+#: Stale heap entries a :class:`RoomClocks` tolerates beyond twice its live clocks.
+_COMPACT_SLACK = 32
 _FAIL = "fail"
 _FORGET = "forget"
 
@@ -155,3 +161,91 @@ class RoomTable:
         for state in self._states.values():
             counts[state.value] = counts.get(state.value, 0) + 1
         return counts
+
+
+class RoomClocks:
+    """Rooms -> when their clock started, with the earliest start at hand.
+
+    The cores keep per-room timers (Prefill's unclaimed-room TTL, Decode's waiting
+    timeout) and the shell asks for the next deadline after every call into a core,
+    so the earliest start must not cost a scan of every room. A dict holds each
+    room's start; a min-heap of ``(start, room)`` orders them. A removed or
+    restarted room leaves a stale heap entry behind, dropped when it reaches the
+    top; the heap is rebuilt from the dict once stale entries outnumber live ones,
+    so memory stays proportional to the rooms held and every operation is
+    O(log rooms) amortised.
+    """
+
+    __slots__ = ("_heap", "_since")
+
+    def __init__(self) -> None:
+        self._since: dict[int, float] = {}
+        self._heap: list[tuple[float, int]] = []
+
+    def start(self, room: int, now: float) -> None:
+        """Start (or restart) the room's clock at ``now``."""
+        self._since[room] = now
+        if not self._compact():
+            heapq.heappush(self._heap, (now, room))
+
+    def setdefault(self, room: int, now: float) -> float:
+        """Start the room's clock at ``now`` unless it runs; its start either way."""
+        since = self._since.get(room)
+        if since is None:
+            self.start(room, now)
+            return now
+        return since
+
+    def get(self, room: int) -> float | None:
+        """When the room's clock started, or ``None`` when it has none."""
+        return self._since.get(room)
+
+    def pop(self, room: int) -> float | None:
+        """Stop the room's clock; its start, or ``None`` when it had none."""
+        since = self._since.pop(room, None)
+        self._compact()
+        return since
+
+    def earliest(self) -> float | None:
+        """The earliest start of a running clock, or ``None`` when none runs."""
+        heap, since = self._heap, self._since
+        while heap:
+            start, room = heap[0]
+            if since.get(room) == start:
+                return start
+            heapq.heappop(heap)
+        return None
+
+    def pop_expired(self, now: float, ttl: float) -> list[int]:
+        """Stop and return every room whose clock has run ``ttl`` or longer at
+        ``now`` (``now - start >= ttl``, the cores' own test), earliest start first."""
+        heap, since = self._heap, self._since
+        expired: list[int] = []
+        while heap and now - heap[0][0] >= ttl:
+            start, room = heapq.heappop(heap)
+            if since.get(room) == start:
+                del since[room]
+                expired.append(room)
+        self._compact()
+        return expired
+
+    def items(self) -> list[tuple[int, float]]:
+        """Every running clock as ``(room, start)``, in the order they started."""
+        return list(self._since.items())
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._since
+
+    def __len__(self) -> int:
+        return len(self._since)
+
+    def _compact(self) -> bool:
+        """Rebuild the heap from the running clocks when stale entries outnumber
+        them; ``True`` if it did. Each rebuild follows at least as many removals or
+        restarts as it costs, so the cost is O(1) amortised."""
+        heap = self._heap
+        if len(heap) < 2 * len(self._since) + _COMPACT_SLACK:
+            return False
+        heap[:] = [(start, room) for room, start in self._since.items()]
+        heapq.heapify(heap)
+        return True
