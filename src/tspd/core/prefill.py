@@ -73,7 +73,7 @@ from tspd.core.manifest import (
 )
 from tspd.core.planner import PlannedRegistration, plan_registration, validate_fanout
 from tspd.core.poll import TransferPoll
-from tspd.core.rooms import RoomTable
+from tspd.core.rooms import RoomClocks, RoomTable
 from tspd.core.schedule import ProducerSchedule, StepReservation, interval_targets
 from tspd.core.trace import Mark, ReasonClass, RoomTrace, RoomTracer, Side, TraceConfig
 
@@ -234,7 +234,8 @@ class _PerRoom:
     can be asserted empty."""
 
     destinations: dict[int, list[_Destination]] = field(default_factory=dict)
-    unclaimed: dict[int, float] = field(default_factory=dict)
+    #: Rooms no tracked request claims -> since when (their TTL clock).
+    unclaimed: RoomClocks = field(default_factory=RoomClocks)
     usage: dict[int, _Usage] = field(default_factory=dict)
     layerwise: set[int] = field(default_factory=set)
     metadata: dict[int, _Metadata] = field(default_factory=dict)
@@ -245,7 +246,7 @@ class _PerRoom:
 
     def clear(self, room: int) -> None:
         self.destinations.pop(room, None)
-        self.unclaimed.pop(room, None)
+        self.unclaimed.pop(room)
         self.usage.pop(room, None)
         self.layerwise.discard(room)
         self.metadata.pop(room, None)
@@ -610,7 +611,7 @@ class PrefillCore:
             raise ProtocolError(f"request {rid} is already registered (room {room})")
         self._per_room.usage.pop(room, None)
         self._rooms.fire(room, PrefillTrigger.REGISTER)
-        self._per_room.unclaimed.pop(room, None)
+        self._per_room.unclaimed.pop(room)
         self._tracked[room] = self._tracked.get(room, 0) + 1
         self._senders[rid] = _Sender(rid, room, now)
         self._trace.mark(room, Mark.REGISTERED, now, rid=rid)
@@ -1019,23 +1020,25 @@ class PrefillCore:
     def next_deadline(self) -> float | None:
         """When :meth:`handle_timeout` next has work: the earliest unclaimed-room expiry
         or failed-session expiry; ``None`` when neither exists. Bootstrap timeouts
-        are seen by :meth:`poll_values`, which the scheduler runs every iteration."""
-        deadlines = [
-            since + self.config.bootstrap_timeout for since in self._per_room.unclaimed.values()
-        ]
+        are seen by :meth:`poll_values`, which the scheduler runs every iteration.
+        The shell reads it after every call: the unclaimed rooms' earliest clock is
+        kept at hand (O(1) amortised); failed sessions (one per Decode rank at most)
+        are scanned."""
+        since = self._per_room.unclaimed.earliest()
+        deadline = None if since is None else since + self.config.bootstrap_timeout
         ttl = self.config.failed_session_ttl
-        if ttl > 0:
-            deadlines.extend(at + ttl for at in self._failed_sessions.values())
-        return min(deadlines, default=None)
+        if ttl > 0 and self._failed_sessions:
+            session_deadline = min(self._failed_sessions.values()) + ttl
+            if deadline is None or session_deadline < deadline:
+                deadline = session_deadline
+        return deadline
 
     def handle_timeout(self, now: float) -> None:
         """Drop rooms no request claimed within the TTL (= bootstrap timeout), in
         ascending room order, telling each non-dummy destination of a room that had
         not failed (spec §7.10); expire failed-session marks past their TTL."""
         ttl = self.config.bootstrap_timeout
-        expired = sorted(
-            room for room, since in self._per_room.unclaimed.items() if now - since >= ttl
-        )
+        expired = sorted(self._per_room.unclaimed.pop_expired(now, ttl))
         if expired:
             self._log(
                 LogLevel.WARNING,
