@@ -318,3 +318,53 @@ def test_bind_free_port_returns_the_bound_port(ctx: zmq.Context[zmq.Socket[bytes
         assert raw.getsockopt(zmq.LAST_ENDPOINT) == f"tcp://127.0.0.1:{port}".encode()
     finally:
         raw.close(linger=0)
+
+
+async def test_frames_of_every_buffer_kind_arrive_whole(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    pull, push = _pair(ctx, zmq.PULL, zmq.PUSH)
+    async with pull, push:
+        await push.send_multipart([b"plain", b"", b"x" * 70_000])
+        await push.send_multipart([bytearray(b"ba"), memoryview(b"mv"), zmq.Frame(b"fr")])
+        assert push.send_multipart_nowait([b"one"]) is True
+        with trio.fail_after(5):
+            received: list[list[bytes]] = []
+            while len(received) < 3:
+                received += await pull.recv_batch(8)
+    assert received == [[b"plain", b"", b"x" * 70_000], [b"ba", b"mv", b"fr"], [b"one"]]
+
+
+async def test_a_bad_frame_queues_nothing_of_its_message(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    pull, push = _pair(ctx, zmq.PULL, zmq.PUSH)
+    async with pull, push:
+        with pytest.raises(TypeError):
+            await push.send_multipart([b"head", "not bytes"])  # type: ignore[list-item]
+        with pytest.raises(TypeError):
+            push.send_multipart_nowait([b"head", 7])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="at least one frame"):
+            push.send_multipart_nowait([])
+        await push.send_multipart([b"next", b"message"])
+        with trio.fail_after(5):
+            assert await pull.recv_multipart() == [b"next", b"message"]
+        assert pull.recv_multipart_nowait() is None
+
+
+async def test_router_mandatory_refuses_an_unknown_peer_on_the_first_frame(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    router, dealer = _pair(ctx, zmq.ROUTER, zmq.DEALER)
+    router.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    async with router, dealer:
+        with pytest.raises(zmq.ZMQError) as refused:
+            router.send_multipart_nowait([b"nobody", b"", b"payload"])
+        assert refused.value.errno == zmq.EHOSTUNREACH
+        await dealer.send_multipart([b"hello"])
+        with trio.fail_after(5):
+            client, body = await router.recv_multipart()
+        assert body == b"hello"
+        assert router.send_multipart_nowait([client, b"reply"]) is True
+        with trio.fail_after(5):
+            assert await dealer.recv_multipart() == [b"reply"]

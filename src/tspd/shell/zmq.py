@@ -23,7 +23,13 @@ pyzmq's socket FD cannot simply be awaited like a TCP socket, and the naive patt
    ``max_msgs``) with one yield to the scheduler; on this machine that reaches the
    throughput of a plain sync loop, against about half of it one message at a time.
    Cap ``max_msgs`` where other tasks need to run often.
-6. **Closing** notifies Trio (``notify_closing``, so a task blocked on the FD gets
+6. **Plain frames take the short way.** A message of ``bytes`` frames is sent and
+   received with the backend's per-frame calls (pyzmq's ``send_multipart`` and
+   ``recv_multipart`` wrappers cost several times as much: ~7 against ~1.5 µs to
+   send three frames here). Frames are type-checked before the first is sent, so a
+   bad frame never leaves half a message queued; anything else (buffers, ``Frame``
+   objects) goes through pyzmq's own ``send_multipart``.
+7. **Closing** notifies Trio (``notify_closing``, so a task blocked on the FD gets
    ``ClosedResourceError`` instead of waiting on a recycled descriptor) and closes
    with ``linger=0`` by default: a closed tspd socket never keeps the process alive.
 
@@ -39,11 +45,17 @@ from typing import Final, Self, final
 
 import trio
 import zmq
+from zmq.backend import Socket as _BackendSocket
 
 __all__ = ["TrioSocket", "bind_free_port", "open_socket"]
 
 _POLLIN: Final = zmq.POLLIN
 _POLLOUT: Final = zmq.POLLOUT
+_NOBLOCK: Final = zmq.NOBLOCK
+_MORE_NOBLOCK: Final = zmq.SNDMORE | zmq.NOBLOCK
+_RCVMORE: Final = zmq.RCVMORE
+# The backend's send, without the sugar layer's keyword re-dispatch.
+_raw_send = _BackendSocket.send
 
 Frames = Sequence[bytes | bytearray | memoryview | zmq.Frame]
 
@@ -131,7 +143,7 @@ class TrioSocket:
         while True:
             self._check_open()
             try:
-                msg = self.sock.recv_multipart(zmq.NOBLOCK)
+                msg = self._recv_now()
             except zmq.Again:
                 await self._wait(_POLLIN)
                 continue
@@ -149,7 +161,7 @@ class TrioSocket:
             self._check_open()
             try:
                 while len(out) < max_msgs:
-                    out.append(self.sock.recv_multipart(zmq.NOBLOCK))
+                    out.append(self._recv_now())
             except zmq.Again:
                 if not out:
                     await self._wait(_POLLIN)
@@ -162,11 +174,22 @@ class TrioSocket:
         """Receive one message if one is queued, else return ``None`` (never blocks)."""
         self._check_open()
         try:
-            msg = self.sock.recv_multipart(zmq.NOBLOCK)
+            msg = self._recv_now()
         except zmq.Again:
             return None
         self._kick()
         return msg
+
+    def _recv_now(self) -> list[bytes]:
+        """Take one whole message off the socket; :class:`zmq.Again` if none is queued.
+
+        The parts of a multipart message arrive together, so only the first can fail.
+        """
+        sock = self.sock
+        parts = [sock.recv(_NOBLOCK)]
+        while sock.get(_RCVMORE):
+            parts.append(sock.recv(_NOBLOCK))
+        return parts
 
     # -- sending -----------------------------------------------------------------
 
@@ -180,7 +203,7 @@ class TrioSocket:
         while True:
             self._check_open()
             try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK)
+                self._send_now(frames)
             except zmq.Again:
                 await self._wait(_POLLOUT)
                 continue
@@ -197,11 +220,29 @@ class TrioSocket:
         """
         self._check_open()
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            self._send_now(frames)
         except zmq.Again:
             return False
         self._kick()
         return True
+
+    def _send_now(self, frames: Frames) -> None:
+        """Queue one whole message; :class:`zmq.Again` (nothing queued) if it is full.
+
+        Only the first part can be refused: libzmq accepts the rest of a message
+        whose first part it took.
+        """
+        sock = self.sock
+        for frame in frames:
+            if type(frame) is not bytes:
+                sock.send_multipart(frames, _NOBLOCK)
+                return
+        last = len(frames) - 1
+        if last < 0:
+            raise ValueError("a ZMQ message needs at least one frame")
+        for index in range(last):
+            _raw_send(sock, frames[index], _MORE_NOBLOCK)
+        _raw_send(sock, frames[last], _NOBLOCK)
 
     # -- lifecycle ---------------------------------------------------------------
 
