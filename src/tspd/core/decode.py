@@ -74,10 +74,15 @@ _PREFILL_FAILED = "Failed to get kvcache from prefill instance, it might be dead
 #: TransferPoll values as plain ints: the per-iteration poll and conclude compare
 #: these instead of building an enum per tracked request.
 _FAILED: Final = int(TransferPoll.FAILED)
-_BOOTSTRAPPING: Final = int(TransferPoll.BOOTSTRAPPING)
 _BOOTSTRAPPED: Final = int(TransferPoll.BOOTSTRAPPED)
 _WAITING_FOR_INPUT: Final = int(TransferPoll.WAITING_FOR_INPUT)
 _SUCCESS: Final = int(TransferPoll.SUCCESS)
+#: Values that conclude a request on this rank.
+_CONCLUDING: Final = frozenset({_SUCCESS, _FAILED})
+#: Agreed values that announce ``Bootstrapped`` (once).
+_ANNOUNCING: Final = frozenset({_BOOTSTRAPPED, _WAITING_FOR_INPUT, _SUCCESS})
+#: Agreed values that are not ``Failed``: anything else (unknown values too) is.
+_LIVE: Final = frozenset(int(p) for p in TransferPoll if p is not TransferPoll.FAILED)
 _WAITING_WARNING = (
     "Some requests timed out waiting for their KV cache: the prefill instance never "
     "reported them. Raise TOKENSPEED_DISAGGREGATION_WAITING_TIMEOUT if a longer TTFT "
@@ -124,7 +129,8 @@ class _Receiver:
     room: int
     addr: str
     started: float
-    local: RoomState = RoomState.BOOTSTRAPPING
+    #: Whether the scheduler got the request's ``Bootstrapped`` event.
+    announced: bool = False
     #: The wire value this rank reports from now on (``Success`` or ``Failed``).
     concluded: int | None = None
     timeout_stage: str | None = None
@@ -667,11 +673,13 @@ class DecodeCore:
         values: list[int] = []
         append = values.append
         value_of = self._rooms.wire_values.get
+        # Locals, not globals or enum members, inside the per-request loop.
+        concluding, failed = _CONCLUDING, _FAILED
         for receiver in self._receivers.values():
             value = receiver.concluded
             if value is None:
-                value = value_of(receiver.room, _FAILED)
-                if value in (_SUCCESS, _FAILED):
+                value = value_of(receiver.room, failed)
+                if value in concluding:
                     receiver.concluded = value
             append(value)
         return values
@@ -686,15 +694,16 @@ class DecodeCore:
                 f"{len(receivers)} tracked requests: every rank must track the same requests"
             )
         events: list[Event] = []
+        # Plain ints in locals: no enum is built or looked up per request. A value
+        # that is not a live TransferPoll reads as Failed, as from_wire would say.
+        live, announcing, success = _LIVE, _ANNOUNCING, _SUCCESS
         for receiver, value in zip(receivers, agreed, strict=True):
-            # Plain int comparisons: any value outside Bootstrapping..Success reads
-            # as Failed, as TransferPoll.from_wire would say.
-            if _BOOTSTRAPPING <= value <= _SUCCESS:
-                if receiver.local is RoomState.BOOTSTRAPPING:
-                    if value in (_BOOTSTRAPPED, _WAITING_FOR_INPUT, _SUCCESS):
-                        receiver.local = RoomState.BOOTSTRAPPED
+            if value in live:
+                if not receiver.announced:
+                    if value in announcing:
+                        receiver.announced = True
                         events.append(Bootstrapped(receiver.rid))
-                elif value == _SUCCESS and receiver.local is RoomState.BOOTSTRAPPED:
+                elif value == success:
                     events.append(self._prefill_done(receiver))
                     self._forget(receiver, now)
             else:

@@ -105,6 +105,12 @@ _FAILED: Final = int(TransferPoll.FAILED)
 _BOOTSTRAPPING: Final = int(TransferPoll.BOOTSTRAPPING)
 _BOOTSTRAPPED: Final = int(TransferPoll.BOOTSTRAPPED)
 _SUCCESS: Final = int(TransferPoll.SUCCESS)
+#: Values that conclude a request on this rank.
+_CONCLUDING: Final = frozenset({_SUCCESS, _FAILED})
+#: Agreed values that announce ``Bootstrapped`` (once) or, later, succeed.
+_ANNOUNCING: Final = frozenset({_BOOTSTRAPPED, _SUCCESS})
+#: Agreed values that are not ``Failed``: anything else (unknown values too) is.
+_LIVE: Final = frozenset(int(p) for p in TransferPoll if p is not TransferPoll.FAILED)
 _TIMEOUT_WARNING = (
     "Some requests timed out when bootstrapping: the decode instance never sent their "
     "cache manifest. Raise TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT if a longer TTFT "
@@ -209,7 +215,8 @@ class _Sender:
     rid: str
     room: int
     started: float
-    local: RoomState = RoomState.BOOTSTRAPPING
+    #: Whether the scheduler got the request's ``Bootstrapped`` event.
+    announced: bool = False
     #: The wire value this rank reports from now on (``Success`` or ``Failed``).
     concluded: int | None = None
     #: Set when this rank's bootstrap timeout concluded the request.
@@ -624,15 +631,17 @@ class PrefillCore:
         append = values.append
         value_of = self._rooms.wire_values.get
         timeout = self.config.bootstrap_timeout
+        # Locals, not globals or enum members, inside the per-request loop.
+        concluding, failed, bootstrapping = _CONCLUDING, _FAILED, _BOOTSTRAPPING
         for sender in self._senders.values():
             value = sender.concluded
             if value is None:
-                value = value_of(sender.room, _FAILED)
-                if value in (_SUCCESS, _FAILED):
+                value = value_of(sender.room, failed)
+                if value in concluding:
                     sender.concluded = value
-                elif value == _BOOTSTRAPPING and now - sender.started >= timeout:
+                elif value == bootstrapping and now - sender.started >= timeout:
                     self._bootstrap_timed_out(sender, now)
-                    value = _FAILED
+                    value = failed
             append(value)
         return values
 
@@ -667,22 +676,23 @@ class PrefillCore:
         stall_at = len(self._commands)
         stalled: list[_Sender] = []
         events: list[Event] = []
+        # Plain ints in locals: no enum is built or looked up per request. A value
+        # that is not a live TransferPoll reads as Failed, as from_wire would say.
+        announcing, live, success, bootstrapping = _ANNOUNCING, _LIVE, _SUCCESS, _BOOTSTRAPPING
         for sender, value in zip(senders, agreed, strict=True):
-            # Plain int comparisons: any value outside Bootstrapping..Success reads
-            # as Failed, as TransferPoll.from_wire would say.
-            if value in (_BOOTSTRAPPED, _SUCCESS):
-                if sender.local is RoomState.BOOTSTRAPPING:
+            if value in announcing:
+                if not sender.announced:
                     # A room may succeed before its Bootstrapped event went out: the
                     # event comes first, Succeeded on the next poll.
-                    sender.local = RoomState.BOOTSTRAPPED
+                    sender.announced = True
                     events.append(Bootstrapped(sender.rid))
-                elif value == _SUCCESS and sender.local is RoomState.BOOTSTRAPPED:
+                elif value == success:
                     events.append(Succeeded(sender.rid))
                     self._forget_request(sender, now)
-            elif value == _BOOTSTRAPPING:
+            elif value == bootstrapping:
                 if stall_due and now - sender.started >= BOOTSTRAP_STALL_S:
                     stalled.append(sender)
-            elif not _BOOTSTRAPPING <= value <= _SUCCESS:
+            elif value not in live:
                 events.append(Failed(sender.rid, self._fail_concluded(sender, now)))
                 self._forget_request(sender, now)
         if stalled:
