@@ -304,6 +304,45 @@ def test_waiting_timeout_via_timer_and_poll(pair: CorePair) -> None:
     assert sum("TOKENSPEED_DISAGGREGATION_WAITING_TIMEOUT" in m for m in _logs(pair)) == 1
 
 
+def test_waiting_deadlines_follow_forgotten_and_reused_rooms() -> None:
+    # The waiting clocks live in a heap: a room that ends must stop counting, and a
+    # room number used again counts from its new pre-allocation only.
+    pair = CorePair([CONTRACT], [CONTRACT], waiting_timeout=100.0)
+    pair.dropped_ports.add(7000)  # Prefill stays silent: only the waiting clocks act.
+    core = pair.decode[0]
+    for offset, room in enumerate((1, 2, 3)):
+        pair.now = 10.0 * offset
+        pair.register_decode(f"r{room}", room)
+        pair.poll_decode()
+        pair.preallocate(room, 8)
+    assert core.next_deadline() == 100.0
+    core.receive_status(_status(1, TransferPoll.SUCCESS, 0), pair.now)
+    assert [type(e) for e in pair.poll_decode()] == [RemotePrefillDone]
+    assert core.next_deadline() == 110.0
+    pair.release_room(1)
+    pair.now = 50.0
+    pair.register_decode("again", 1)
+    assert pair.poll_decode() == [Bootstrapped("again")]
+    pair.preallocate(1, 8)
+    assert core.next_deadline() == 110.0
+    # The poll finds room 2 expired (its clock, not room 1's old one) and nothing else.
+    pair.now = 111.0
+    assert pair.poll_decode() == [
+        Failed("r2", "Request 2 timed out after 101.0s in TransferPoll.WaitingForInput")
+    ]
+    assert core.next_deadline() == 120.0
+    assert core.room_state(1) is RoomState.WAITING_FOR_INPUT
+    # The timer path alone concludes room 3; the reused room 1 is still waiting.
+    pair.advance(10.0)
+    assert core.next_deadline() == 150.0
+    assert pair.poll_decode() == [
+        Failed("r3", "Request 3 timed out after 101.0s in TransferPoll.WaitingForInput")
+    ]
+    assert core.poll_values(pair.now) == [int(TransferPoll.WAITING_FOR_INPUT)]
+    assert core.statistics()["waiting"] == 1
+    pair.close()
+
+
 def test_no_timeout_before_the_manifest_is_sent(pair: CorePair) -> None:
     pair.register_decode("a", 1)
     pair.advance(10_000.0)
