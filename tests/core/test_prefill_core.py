@@ -518,6 +518,33 @@ def test_unclaimed_preallocation_is_dropped_and_its_decode_told(pair: CorePair) 
     assert pair.room_tables_empty()
 
 
+def test_unclaimed_deadlines_follow_claims_drops_and_failed_sessions(pair: CorePair) -> None:
+    # Unclaimed clocks live in a heap: a claimed or dropped room stops counting and a
+    # room left unclaimed again counts from then; failed sessions join the minimum.
+    core = pair.prefill[0]
+    core.abort(7, "x", 0.0)
+    core.abort(8, "x", 5.0)
+    assert core.next_deadline() == 120.0
+    pair.now = 10.0
+    pair.register_prefill("a", 7)
+    assert core.next_deadline() == 125.0
+    assert [type(e) for e in pair.poll_prefill()] == [Failed]
+    core.abort(7, "again", 20.0)
+    assert core.next_deadline() == 125.0
+    core.transfer_failed(9, CorePair.decode_session(0), "refused", 30.0)
+    assert core.next_deadline() == 60.0  # the failed session's 30 s TTL comes first
+    pair.pump()
+    pair.now = 60.0
+    pair.run_timers()
+    assert core.next_deadline() == 125.0
+    pair.now = 125.0
+    pair.run_timers()
+    assert core.room_state(8) is RoomState.ABSENT
+    assert core.room_state(7) is RoomState.FAILED
+    assert core.next_deadline() == 140.0
+    assert core.statistics()["unclaimed"] == 1
+
+
 def test_tracked_rooms_never_expire(pair: CorePair) -> None:
     _bootstrapped(pair, "r", 6)
     pair.prefill[0].abort(7, "x", pair.now)
