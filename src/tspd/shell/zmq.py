@@ -53,7 +53,6 @@ _POLLIN: Final = zmq.POLLIN
 _POLLOUT: Final = zmq.POLLOUT
 _NOBLOCK: Final = zmq.NOBLOCK
 _MORE_NOBLOCK: Final = zmq.SNDMORE | zmq.NOBLOCK
-_RCVMORE: Final = zmq.RCVMORE
 # The backend's send, without the sugar layer's keyword re-dispatch.
 _raw_send = _BackendSocket.send
 
@@ -185,10 +184,14 @@ class TrioSocket:
 
         The parts of a multipart message arrive together, so only the first can fail.
         """
-        sock = self.sock
-        parts = [sock.recv(_NOBLOCK)]
-        while sock.get(_RCVMORE):
-            parts.append(sock.recv(_NOBLOCK))
+        recv = self.sock.recv
+        # A Frame says itself whether more parts follow; asking the socket
+        # (``RCVMORE``) costs more than taking the frame and copying its bytes.
+        frame = recv(_NOBLOCK, False)
+        parts = [frame.bytes]
+        while frame.more:
+            frame = recv(_NOBLOCK, False)
+            parts.append(frame.bytes)
         return parts
 
     # -- sending -----------------------------------------------------------------
