@@ -118,44 +118,97 @@ class _Feedback:
         return True
 
 
+class _Pair:
+    """Two fake engines, a source and a destination buffer, and a helper for chunks."""
+
+    def __init__(self) -> None:
+        fabric = FakeFabric()
+        self.src = np.arange(64, dtype=np.uint8)
+        self.dst = np.zeros(64, dtype=np.uint8)
+        self.a = AsyncFakeEngine(fabric=fabric)
+        self.b = FakeEngine("127.0.0.1", fabric=fabric)
+        self.a.register_memory(self.src.ctypes.data, 64)
+        self.b.register_memory(self.dst.ctypes.data, 64)
+
+    def chunk(
+        self, room: int, shard: int, *, step: int | None = None, final: bool = True
+    ) -> StartTransfer:
+        part = room % 8
+        plan = CopyPlan.from_copies(
+            [(self.src.ctypes.data + 8 * part, self.dst.ctypes.data + 8 * part, 8)]
+        )
+        write = DestinationWrite(self.b.session_id, "127.0.0.1", 1, plan)
+        return StartTransfer(
+            room, shard, (TransferInterval(step, (write,)),), final, (self.b.session_id,)
+        )
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
 async def test_workers_write_report_and_survive_failures() -> None:
-    fabric = FakeFabric()
-    src = np.arange(64, dtype=np.uint8)
-    dst = np.zeros(64, dtype=np.uint8)
-    a = AsyncFakeEngine(fabric=fabric)
-    b = FakeEngine("127.0.0.1", fabric=fabric)
-    a.register_memory(src.ctypes.data, 64)
-    b.register_memory(dst.ctypes.data, 64)
-    plan = CopyPlan.from_copies(
-        [(src.ctypes.data + 8 * i, dst.ctypes.data + 8 * i, 8) for i in range(8)]
-    )
-    write = DestinationWrite(b.session_id, "127.0.0.1", 1, plan)
+    pair = _Pair()
     counter = StepCounter()
     feedback = _Feedback()
-    workers = TransferWorkers(a, feedback, count=2, read_step=counter.read, max_descriptors=3)
+    workers = TransferWorkers(pair.a, feedback, count=2, read_step=counter.read)
     async with trio.open_nursery() as nursery:
         await nursery.start(workers.run)
-        a.fail_next(b.session_id)
-        workers.submit(
-            StartTransfer(1, 0, (TransferInterval(None, (write,)),), True, (b.session_id,))
-        )
-        workers.submit(
-            StartTransfer(2, 0, (TransferInterval(None, (write,)),), True, (b.session_id,))
-        )
-        workers.submit(
-            StartTransfer(3, 1, (TransferInterval(0, (write,)),), False, (b.session_id,))
-        )
+        pair.a.fail_next(pair.b.session_id)
+        workers.submit(pair.chunk(1, 0))
+        await wait_until(lambda: workers.in_flight() == 0)
+        workers.submit(pair.chunk(2, 0))
+        workers.submit(pair.chunk(3, 1, step=0))
         await wait_until(lambda: workers.in_flight() == 1)
         counter.advance()
         await wait_until(lambda: workers.in_flight() == 0)
         nursery.cancel_scope.cancel()
-    assert len(feedback.failed) == 1
-    assert feedback.failed[0][:2] == (1, b.session_id)
+    assert [f[:2] for f in feedback.failed] == [(1, pair.b.session_id)]
     assert feedback.ok == [2, 3]
-    assert np.array_equal(src, dst)
-    assert workers.stats.engine_calls == 6  # two chunks of 8 copies in calls of 3
-    a.close()
-    b.close()
+    assert np.array_equal(pair.src[16:32], pair.dst[16:32])
+    pair.close()
+
+
+async def test_queued_full_chunks_share_engine_calls_and_report_in_order() -> None:
+    pair = _Pair()
+    counter = StepCounter()
+    feedback = _Feedback()
+    workers = TransferWorkers(pair.a, feedback, count=1, read_step=counter.read, max_descriptors=3)
+    for room in range(1, 6):
+        workers.submit(pair.chunk(room, 0))
+    workers.submit(pair.chunk(6, 0, step=0))  # layerwise: waits, and keeps its place
+    workers.submit(pair.chunk(7, 0))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(workers.run)
+        await wait_until(lambda: workers.in_flight() == 2)
+        assert feedback.ok == [1, 2, 3, 4, 5]
+        assert workers.stats.engine_calls == 2  # five one-copy rooms in calls of 3
+        counter.advance()
+        await wait_until(lambda: workers.in_flight() == 0)
+        nursery.cancel_scope.cancel()
+    assert feedback.ok == [1, 2, 3, 4, 5, 6, 7]
+    assert np.array_equal(pair.src[8:64], pair.dst[8:64])
+    pair.close()
+
+
+async def test_a_failed_shared_call_fails_each_room_in_it() -> None:
+    pair = _Pair()
+    feedback = _Feedback()
+    workers = TransferWorkers(pair.a, feedback, count=1)
+    pair.a.fail_next(pair.b.session_id)
+    for room in (1, 2, 3):
+        workers.submit(pair.chunk(room, 0))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(workers.run)
+        await wait_until(lambda: workers.in_flight() == 0)
+        workers.submit(pair.chunk(4, 0))
+        await wait_until(lambda: workers.in_flight() == 0)
+        nursery.cancel_scope.cancel()
+    assert [(room, sid) for room, sid, _ in feedback.failed] == [
+        (room, pair.b.session_id) for room in (1, 2, 3)
+    ]
+    assert feedback.ok == [4]
+    pair.close()
 
 
 async def test_single_error_unwraps_one_exception_groups() -> None:
