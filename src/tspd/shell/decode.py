@@ -28,6 +28,7 @@ arena is registered with the engine so Prefill ranks can write into it.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -62,6 +63,9 @@ from tspd.shell.zmq import TrioSocket, bind_free_port, open_socket
 __all__ = ["DecodePeer", "DecodeSettings", "open_decode_peer"]
 
 log = component_logger("decode")
+
+#: How many recent room failures a peer keeps in ``failures``.
+RECENT_FAILURES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +106,8 @@ class DecodePeer:
         self.arena = arena
         self.agreement = agreement
         self.status_port = status_port
-        self.failures: list[RoomFailed] = []
+        #: The most recent room failures (bounded; metrics and traces keep the rest).
+        self.failures: deque[RoomFailed] = deque(maxlen=RECENT_FAILURES)
         self._pushes = pushes
         self._client = client
         self._timer = DeadlineTimer(core.next_deadline, self._on_timeout)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -75,6 +76,9 @@ __all__ = [
 ]
 
 log = component_logger("prefill")
+
+#: How many recent room failures a peer keeps in ``failures``.
+RECENT_FAILURES = 1024
 
 
 class ReleaseRefused(TspdError):
@@ -142,7 +146,8 @@ class PrefillPeer:
         self.control_port = control_port
         self.host = host
         self.step_counter = step_counter
-        self.failures: list[RoomFailed] = []
+        #: The most recent room failures (bounded; metrics and traces keep the rest).
+        self.failures: deque[RoomFailed] = deque(maxlen=RECENT_FAILURES)
         self.registered_with_bootstrap = False
         self._pushes = pushes
         self._timer = DeadlineTimer(core.next_deadline, self._on_timeout)
