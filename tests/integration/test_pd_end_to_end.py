@@ -11,6 +11,7 @@ the in-process peer keeps serving, and that its tables are empty afterwards.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import tempfile
@@ -570,3 +571,37 @@ def _port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def test_tspd_demo_command_exit_codes() -> None:
+    """``tspd demo`` exits 0 with every room verified, and 1 when rooms fail (here:
+    a bootstrap timeout far shorter than any pre-allocation takes; the Prefill ranks
+    finish at once and the Decode's waiting timeout ends its side)."""
+    from click.testing import CliRunner
+
+    from tspd.cli import main
+
+    common = ["demo", "--prefill-tp", "1", "--pages", "256", "--in-flight", "4", "--json"]
+    ok = CliRunner().invoke(main, [*common, "--rooms", "7000:7008"])
+    assert ok.exit_code == 0, ok.output
+    summary = json.loads(ok.output[ok.output.index("{") :])
+    assert (summary["ok"], summary["succeeded"]) == (True, 8)
+    bad = CliRunner().invoke(
+        main,
+        [
+            *common,
+            "--rooms",
+            "7100:7104",
+            "--bootstrap-timeout",
+            "0.001",
+            "--waiting-timeout",
+            "2",
+            "--timeout",
+            "60",
+        ],
+    )
+    assert bad.exit_code == 1, bad.output
+    summary = json.loads(bad.output[bad.output.index("{") :])
+    assert summary["ok"] is False
+    assert summary["failed"] == 4
+    assert summary["errors"] == []
