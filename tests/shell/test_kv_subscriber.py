@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 
@@ -206,8 +207,24 @@ async def test_a_publisher_restart_is_detected(ipc_dir: str) -> None:
     assert sub.statistics()["r0"].restarts == 1
 
 
+def _free_port_pair(avoid: range = range(0)) -> int:
+    """A port p with p and p + 1 both free a moment ago (DP rank 1 moves ports by one);
+    two single free ports can be neighbours, or p + 1 taken by another process."""
+    while True:
+        base = free_port()
+        if base + 1 > 65535 or base in avoid or base + 1 in avoid:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind(("127.0.0.1", base + 1))
+        except OSError:
+            continue
+        return base
+
+
 async def test_several_dp_ranks_are_followed_separately() -> None:
-    pub_port, replay_port = free_port(), free_port()
+    pub_port = _free_port_pair()
+    replay_port = _free_port_pair(avoid=range(pub_port, pub_port + 2))
     sources = [
         EventSource(f"tcp://127.0.0.1:{pub_port + r}", name=f"dp{r}", bind=True) for r in (0, 1)
     ]

@@ -547,10 +547,11 @@ class KVEventPublisher:
             nursery.cancel_scope.cancel()
             remaining_ms = max(0, int((deadline - trio.current_time()) * 1000))
             # The PUB keeps sending what it holds for the rest of the budget, in
-            # libzmq's I/O thread, without holding up the caller.
+            # libzmq's I/O thread, without holding up the caller. The ROUTER is
+            # closed by open_kv_publisher once the cancelled replay tasks are gone:
+            # closed now, a receive the cancel has not reached yet would end in
+            # ClosedResourceError instead of the cancellation.
             self._pub.close(linger=remaining_ms)
-            if self._router is not None:
-                self._router.close()
 
 
 def _attach(sock: TrioSocket, endpoint: str, *, bind: bool, what: str, dp_rank: int) -> str:
