@@ -49,8 +49,11 @@ from zmq.backend import Socket as _BackendSocket
 
 __all__ = ["TrioSocket", "bind_free_port", "open_socket"]
 
-_POLLIN: Final = zmq.POLLIN
-_POLLOUT: Final = zmq.POLLOUT
+# Plain ints: pyzmq's flag enums make every ``&`` and dict lookup a Python-level
+# call, and _kick runs after every operation.
+_POLLIN: Final = int(zmq.POLLIN)
+_POLLOUT: Final = int(zmq.POLLOUT)
+_EVENTS: Final = int(zmq.EVENTS)
 _NOBLOCK: Final = zmq.NOBLOCK
 _MORE_NOBLOCK: Final = zmq.SNDMORE | zmq.NOBLOCK
 # The backend's send, without the sugar layer's keyword re-dispatch.
@@ -120,7 +123,7 @@ class TrioSocket:
         return bool(self._events() & event)
 
     def _events(self) -> int:
-        events = self.sock.getsockopt(zmq.EVENTS)
+        events = self.sock.get(_EVENTS)
         assert isinstance(events, int)
         return events
 
