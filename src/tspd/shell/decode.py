@@ -42,7 +42,6 @@ from tspd.core.commands import (
     Event,
     FetchParallelInfo,
     FetchRankInfo,
-    Log,
     RoomFailed,
     SendFrames,
 )
@@ -50,12 +49,15 @@ from tspd.core.decode import DecodeConfig, DecodeCore
 from tspd.core.errors import TspdError
 from tspd.core.machines import RoomState
 from tspd.core.manifest import BlockManifest
+from tspd.core.trace import RoomTrace
 from tspd.engines.base import AsyncTransferEngine, TransferEngine, TransferError
-from tspd.log import component_logger, log_command
+from tspd.log import component_logger
 from tspd.shell.agreement import ReplicaAgreement, SingleRank
 from tspd.shell.arena import HostArena
 from tspd.shell.bootstrap import BootstrapClient
+from tspd.shell.metrics import TspdMetrics
 from tspd.shell.nursery import single_error
+from tspd.shell.observe import PeerObserver
 from tspd.shell.pushes import PushPool
 from tspd.shell.timer import DeadlineTimer
 from tspd.shell.zmq import TrioSocket, bind_free_port, open_socket
@@ -100,8 +102,11 @@ class DecodePeer:
         pushes: PushPool,
         client: BootstrapClient,
         status_port: int,
+        observer: PeerObserver | None = None,
     ) -> None:
         self.core = core
+        #: Logs, metrics and traces of this rank (:mod:`tspd.shell.observe`).
+        self.observer = observer or PeerObserver("decode", core.config.tp_rank)
         self.engine = engine
         self.arena = arena
         self.agreement = agreement
@@ -127,19 +132,19 @@ class DecodePeer:
             self._activity.set()
         for command in self.core.drain_commands():
             self._execute(command)
+        self.observer.finished(self.core.drain_finished())
         self._timer.poke()
 
     def _execute(self, command: Command) -> None:
-        if isinstance(command, SendFrames):
+        if self.observer.command(command):  # a Log or RoomFailed: logged and counted
+            if isinstance(command, RoomFailed):
+                self.failures.append(command)
+        elif isinstance(command, SendFrames):
             self._pushes.send_nowait(command.endpoint, command.port, command.frames, command.room)
         elif isinstance(command, FetchParallelInfo):
             self._spawn(self._fetch_parallel_info, command)
         elif isinstance(command, FetchRankInfo):
             self._spawn(self._fetch_rank_info, command)
-        elif isinstance(command, RoomFailed | Log):
-            if isinstance(command, RoomFailed):
-                self.failures.append(command)
-            log_command(log, command, side="decode", rank=self.core.config.tp_rank)
         else:
             log.error("the Decode core asked for a Prefill-only command: %r", command)
 
@@ -206,6 +211,7 @@ class DecodePeer:
         values = self.core.poll_values(trio.current_time())
         agreed = await self.agreement.agree(values)
         events = self.core.conclude(agreed, trio.current_time())
+        self.observer.events(events)
         self._pump()
         return events
 
@@ -224,6 +230,15 @@ class DecodePeer:
     def room_state(self, room: int) -> RoomState:
         """``room``'s state on this rank (``ABSENT`` when it has no entry)."""
         return self.core.room_state(room)
+
+    def trace(self, room: int) -> RoomTrace | None:
+        """``room``'s milestones on this rank: live, or kept after it failed or ran
+        slow (:mod:`tspd.core.trace`); ``None`` when neither."""
+        return self.core.trace(room)
+
+    def recent_traces(self) -> list[RoomTrace]:
+        """Kept traces of recent rooms that failed or ran slow."""
+        return self.core.recent_traces()
 
     def statistics(self) -> dict[str, int]:
         """The core's table sizes plus message counters."""
@@ -295,6 +310,7 @@ async def open_decode_peer(
     settings: DecodeSettings | None = None,
     agreement: ReplicaAgreement | None = None,
     context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    metrics: TspdMetrics | None = None,
 ) -> AsyncIterator[DecodePeer]:
     """Run one Decode rank's peer for the duration of the block (see the module doc).
 
@@ -302,6 +318,8 @@ async def open_decode_peer(
     ``endpoint`` and ``port`` are taken from ``arena``, ``engine`` and the status
     socket this function binds on ``settings.host``. Decode never writes, so a
     synchronous engine is fine here: only its registration calls are used.
+    ``metrics``: where this rank's metrics go (serve them with
+    :func:`tspd.shell.metrics.serve_metrics`); logs and traces are kept either way.
     """
     settings = settings or DecodeSettings()
     ctx = context or zmq.Context.instance()
@@ -332,7 +350,14 @@ async def open_decode_peer(
                     pushes=pushes,
                     client=client,
                     status_port=port,
+                    observer=PeerObserver(
+                        "decode",
+                        config.tp_rank,
+                        metrics=metrics,
+                        slow_after=config.trace.slow_after,
+                    ),
                 )
+                peer.observer.watch(core, peer.statistics)
                 peer._nursery = nursery
                 await nursery.start(pushes.run)
                 await nursery.start(peer._timer.run)
@@ -342,6 +367,7 @@ async def open_decode_peer(
                     yield peer
                 finally:
                     peer._nursery = None
+                    peer.observer.close()
                     nursery.cancel_scope.cancel()
     finally:
         status.close()

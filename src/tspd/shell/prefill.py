@@ -43,7 +43,6 @@ from tspd.core.commands import (
     Command,
     Event,
     Failed,
-    Log,
     RoomFailed,
     SendFrames,
     StartTransfer,
@@ -52,12 +51,15 @@ from tspd.core.commands import (
 from tspd.core.errors import ProtocolError, TspdError
 from tspd.core.machines import RoomState
 from tspd.core.prefill import ExtendRow, PrefillConfig, PrefillCore
+from tspd.core.trace import RoomTrace
 from tspd.engines.base import AsyncTransferEngine, TransferError
-from tspd.log import component_logger, log_command
+from tspd.log import component_logger
 from tspd.shell.agreement import ReplicaAgreement, SingleRank
 from tspd.shell.arena import HostArena
 from tspd.shell.bootstrap import BootstrapClient
+from tspd.shell.metrics import TspdMetrics
 from tspd.shell.nursery import single_error
+from tspd.shell.observe import PeerObserver
 from tspd.shell.pushes import PushPool
 from tspd.shell.steps import StepCounter
 from tspd.shell.threadsafe import LoopPortal
@@ -138,8 +140,11 @@ class PrefillPeer:
         step_counter: StepCounter | None,
         control_port: int,
         host: str,
+        observer: PeerObserver | None = None,
     ) -> None:
         self.core = core
+        #: Logs, metrics and traces of this rank (:mod:`tspd.shell.observe`).
+        self.observer = observer or PeerObserver("prefill", core.config.tp_rank)
         self.engine = engine
         self.arena = arena
         self.agreement = agreement
@@ -177,17 +182,17 @@ class PrefillPeer:
             self._activity.set()
         for command in self.core.drain_commands():
             self._execute(command)
+        self.observer.finished(self.core.drain_finished())
         self._timer.poke()
 
     def _execute(self, command: Command) -> None:
-        if isinstance(command, SendFrames):
+        if self.observer.command(command):  # a Log or RoomFailed: logged and counted
+            if isinstance(command, RoomFailed):
+                self.failures.append(command)
+        elif isinstance(command, SendFrames):
             self._pushes.send_nowait(command.endpoint, command.port, command.frames, command.room)
         elif isinstance(command, StartTransfer):
             self._workers.submit(command)
-        elif isinstance(command, RoomFailed | Log):
-            if isinstance(command, RoomFailed):
-                self.failures.append(command)
-            log_command(log, command, side="prefill", rank=self.core.config.tp_rank)
         else:
             log.error("the Prefill core asked for a Decode-only command: %r", command)
 
@@ -241,6 +246,7 @@ class PrefillPeer:
         for event in events:
             if isinstance(event, Succeeded | Failed):
                 self._rooms_by_rid.pop(event.rid, None)
+        self.observer.events(events)
         self._pump()
         return events
 
@@ -270,6 +276,15 @@ class PrefillPeer:
         """``room``'s state on this rank (``ABSENT`` when it has no entry)."""
         return self.core.room_state(room)
 
+    def trace(self, room: int) -> RoomTrace | None:
+        """``room``'s milestones on this rank: live, or kept after it failed or ran
+        slow (:mod:`tspd.core.trace`); ``None`` when neither."""
+        return self.core.trace(room)
+
+    def recent_traces(self) -> list[RoomTrace]:
+        """Kept traces of recent rooms that failed, were dropped or ran slow."""
+        return self.core.recent_traces()
+
     def statistics(self) -> dict[str, int]:
         """The core's table sizes, plus worker and message counters."""
         stats = dict(self.core.statistics())
@@ -277,6 +292,7 @@ class PrefillPeer:
         stats["messages_sent"] = self._pushes.stats.sent
         stats["messages_dropped"] = self._pushes.stats.dropped
         stats["bytes_written"] = self._workers.stats.bytes_written
+        stats["descriptors"] = self._workers.stats.descriptors
         stats["engine_calls"] = self._workers.stats.engine_calls
         return stats
 
@@ -452,6 +468,7 @@ async def open_prefill_peer(
     agreement: ReplicaAgreement | None = None,
     step_counter: StepCounter | None = None,
     context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    metrics: TspdMetrics | None = None,
 ) -> AsyncIterator[PrefillPeer]:
     """Run one Prefill rank's peer for the duration of the block (see the module doc).
 
@@ -460,7 +477,9 @@ async def open_prefill_peer(
     TP group's replica agreement (:class:`SingleRank` by default).
     ``step_counter`` is the producer step counter layerwise chunks wait on (needed
     when ``config.layerwise`` is set). The arena is registered with ``engine`` on
-    entry and deregistered on exit.
+    entry and deregistered on exit. ``metrics``: where this rank's metrics go
+    (serve them with :func:`tspd.shell.metrics.serve_metrics`); logs and traces
+    are kept either way.
     """
     settings = settings or PrefillSettings()
     if config.layerwise is not None and step_counter is None:
@@ -482,7 +501,11 @@ async def open_prefill_peer(
         step_counter=step_counter,
         control_port=port,
         host=settings.host,
+        observer=PeerObserver(
+            "prefill", config.tp_rank, metrics=metrics, slow_after=config.trace.slow_after
+        ),
     )
+    peer.observer.watch(core, peer.statistics)
     try:
         engine.register_memory(arena.base, arena.size)
         peer._memory_registered = True
@@ -503,6 +526,7 @@ async def open_prefill_peer(
                     portal.close()
                     nursery.cancel_scope.cancel()
     finally:
+        peer.observer.close()
         control.close()
         if peer._memory_registered:
             try:
