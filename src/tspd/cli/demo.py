@@ -122,10 +122,24 @@ def _logging(verbose: bool) -> None:
 @click.option("--prefill-tp", default=2, show_default=True)
 @click.option("--decode-tp", default=1, show_default=True)
 @click.option("--timeout", default=180.0, show_default=True, help="Give up after this long (s).")
+@click.option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    help="Serve every rank's /metrics and /traces: Prefill rank r on PORT+r, Decode ranks "
+    "after them (0: free ports). The addresses are printed as the ranks start.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.pass_context
 def demo(
-    ctx: click.Context, /, prefill_tp: int, decode_tp: int, timeout: float, as_json: bool, **kw: Any
+    ctx: click.Context,
+    /,
+    prefill_tp: int,
+    decode_tp: int,
+    timeout: float,
+    metrics_port: int | None,
+    as_json: bool,
+    **kw: Any,
 ) -> None:
     """Run a bootstrap server, a Prefill group and a Decode group on this host and
     serve a stream of rooms with verified KV bytes (see ``tspd demo --help``)."""
@@ -143,6 +157,7 @@ def demo(
         timeout=timeout,
         bootstrap_timeout=kw["bootstrap_timeout"],
         waiting_timeout=kw["waiting_timeout"],
+        metrics_port=metrics_port,
     )
     summary = _run_with_progress(options, quiet=as_json)
     if as_json:
@@ -173,11 +188,24 @@ def _run_with_progress(options: DemoOptions, *, quiet: bool) -> DemoSummary:
             counts["ok" if ok else "bad"] += 1
             progress.update(task, advance=1, ok=counts["ok"], bad=counts["bad"])
 
-        return trio.run(lambda: run_demo(options, on_room=on_room))
+        def on_metrics(name: str, url: str) -> None:
+            traces = url.removesuffix("/metrics") + "/traces"
+            progress.console.print(f"{name}: metrics {url}, traces {traces}", markup=False)
+
+        return trio.run(lambda: run_demo(options, on_room=on_room, on_metrics=on_metrics))
 
 
 def _ms(seconds: float) -> str:
     return "n/a" if math.isnan(seconds) else f"{seconds * 1e3:.2f} ms"
+
+
+def _trace_line(entry: dict[str, Any]) -> str:
+    """One rank's trace of a failed room: where it failed and its phases."""
+    phases = ", ".join(f"{name} {_ms(seconds)}" for name, seconds in entry["phases"].items())
+    return (
+        f"{entry['side']} rank {entry['rank']}: [{entry['reason_class']}] after "
+        f"{_ms(entry['duration'])}" + (f"; {phases}" if phases else "")
+    )
 
 
 def _print_summary(options: DemoOptions, summary: DemoSummary) -> None:
@@ -208,6 +236,9 @@ def _print_summary(options: DemoOptions, summary: DemoSummary) -> None:
     console.print(table)
     for room, reason in list(summary.reasons.items())[:10]:
         console.print(f"[red]room {room} failed:[/red] {reason}")
+    for room, traces in list(summary.traces.items())[:3]:
+        for entry in traces:
+            console.print(f"  room {room} on {_trace_line(entry)}", markup=False)
     for error in summary.errors:
         console.print(f"[red]error:[/red] {error}")
     console.print("[green]all rooms verified[/green]" if summary.ok else "[red]demo FAILED[/red]")
@@ -235,6 +266,12 @@ def _role_command(role: str) -> click.Command:
         hidden=True,
         help="Decode: register but never pre-allocate (failure-path tests).",
     )
+    @click.option(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Serve this rank's /metrics and /traces on this port (0: any free port).",
+    )
     @click.option("-v", "--verbose", is_flag=True, help="Log at INFO on stderr.")
     def command(
         rank: int,
@@ -244,6 +281,7 @@ def _role_command(role: str) -> click.Command:
         workers: int,
         heartbeat_interval: float,
         never_preallocate: bool,
+        metrics_port: int | None,
         verbose: bool,
         **kw: Any,
     ) -> None:
@@ -263,6 +301,7 @@ def _role_command(role: str) -> click.Command:
             waiting_timeout=kw["waiting_timeout"],
             heartbeat_interval=heartbeat_interval,
             never_preallocate=never_preallocate,
+            metrics_port=metrics_port,
         )
         reporter = Reporter(role, rank)
         try:

@@ -10,7 +10,11 @@
 then follows their JSON-line reports (:mod:`tspd.demo.report`) with a progress
 display and returns a :class:`DemoSummary`: rooms succeeded and failed, rooms/s,
 room latency p50/p99 (Decode registration → completion event), hand-over →
-Decode completion event p50/p99, GB/s verified, CPU seconds per room per side. Every
+Decode completion event p50/p99, GB/s verified, CPU seconds per room per side, and
+the traces both sides kept of the first failed rooms. With ``metrics_port`` set,
+each rank serves /metrics and /traces (Prefill rank ``r`` on ``metrics_port + r``,
+Decode rank ``r`` after the Prefill ranks; 0: free ports) and ``on_metrics`` hears
+each URL as the rank comes up. Every
 process is stopped before it returns, whatever happened; a role that exits
 early, or a run past ``timeout``, fails the demo with the reason.
 """
@@ -65,10 +69,18 @@ class DemoOptions:
     timeout: float = 180.0
     bootstrap_timeout: float = 30.0
     waiting_timeout: float = 60.0
+    metrics_port: int | None = None
     #: Extra command-line arguments for every Prefill / Decode role process (they
     #: come last, so they override the demo's own).
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
+
+    def role_metrics_port(self, role: str, rank: int) -> int | None:
+        """The metrics port of one rank: the base plus its index (Prefill ranks
+        first), 0 for every rank when the base is 0, ``None`` without metrics."""
+        if not self.metrics_port:
+            return self.metrics_port
+        return self.metrics_port + rank + (self.prefill_tp if role == "decode" else 0)
 
 
 @dataclass(slots=True)
@@ -86,6 +98,10 @@ class DemoSummary:
     reasons: dict[int, str] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     stats: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Metrics URL per role process (``prefill-0``...), when served.
+    metrics: dict[str, str] = field(default_factory=dict)
+    #: The first failed rooms' traces, from every rank that kept one.
+    traces: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -123,6 +139,8 @@ class DemoSummary:
             "bytes_verified": self.bytes_verified,
             "cpu_per_room_s": {role: self.cpu_per_room(role) for role in self.cpu},
             "failures": {str(room): reason for room, reason in sorted(self.reasons.items())[:20]},
+            "failure_traces": {str(room): traces for room, traces in self.traces.items()},
+            "metrics": self.metrics,
             "errors": self.errors,
         }
 
@@ -257,6 +275,9 @@ def _role_args(
         args += ["--contract", w.contract_file]
     if agree:
         args += ["--agree", agree]
+    metrics_port = opts.role_metrics_port(role, rank)
+    if metrics_port is not None:
+        args += ["--metrics-port", str(metrics_port)]
     if opts.layerwise:
         args.append("--layerwise")
     if opts.scatter:
@@ -269,6 +290,7 @@ async def run_demo(
     opts: DemoOptions,
     *,
     on_room: Callable[[int, bool], None] | None = None,
+    on_metrics: Callable[[str, str], None] | None = None,
     console: TextIO | None = None,
 ) -> DemoSummary:
     """Run the demo's processes to the end (see the module doc)."""
@@ -280,7 +302,11 @@ async def run_demo(
 
     def on_record(role: RoleProcess, record: dict[str, Any]) -> None:
         kind = record.get("event")
-        if kind == "handover":
+        if kind == "ready" and record.get("metrics"):
+            summary.metrics[role.name] = str(record["metrics"])
+            if on_metrics is not None:
+                on_metrics(role.name, str(record["metrics"]))
+        elif kind == "handover":
             room = int(record["room"])
             handovers[room] = max(handovers.get(room, 0.0), float(record["t"]))
         elif kind == "room":
@@ -383,6 +409,10 @@ class _Abort(Exception):
     """A role failed to start; the demo stops."""
 
 
+#: Failed rooms whose traces the summary keeps.
+_TRACED_FAILURES = 5
+
+
 def _summarise(
     summary: DemoSummary,
     opts: DemoOptions,
@@ -417,5 +447,8 @@ def _summarise(
             summary.failed += 1
             reasons = [str(r.get("reason")) for r in reports if not r["ok"]]
             summary.reasons[room] = "; ".join(reasons) or "no report (a role stopped early)"
+            traces = [r["trace"] for r in reports if r.get("trace")]
+            if traces and len(summary.traces) < _TRACED_FAILURES:
+                summary.traces[room] = traces
     if starts and ends:
         summary.wall = max(ends) - min(starts)

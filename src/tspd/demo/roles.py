@@ -15,7 +15,10 @@ inference engine would drive the peer:
   ``RemotePrefillDone`` verify every byte and the token and candidates against the
   pattern, free the pages and report.
 
-Progress goes out as JSON lines (:class:`~tspd.demo.report.Reporter`). A rank of a
+Progress goes out as JSON lines (:class:`~tspd.demo.report.Reporter`); a failed
+room's line carries the rank's trace of it (:mod:`tspd.core.trace`). With
+``metrics_port`` set, a rank serves its metrics and traces over HTTP
+(:func:`~tspd.shell.metrics.open_metrics_server`) and reports the URL. A rank of a
 TP group larger than one agrees with the others over ZMQ
 (:class:`~tspd.shell.agreement.ZmqAgreement`; ``agree`` lists every rank's
 endpoint).
@@ -48,7 +51,8 @@ from tspd.log import component_logger
 from tspd.shell.agreement import ReplicaAgreement, SingleRank, ZmqAgreement
 from tspd.shell.arena import HostArena, clear_room, fill_room, verify_room
 from tspd.shell.bootstrap import BootstrapClient
-from tspd.shell.decode import DecodeSettings, open_decode_peer
+from tspd.shell.decode import DecodePeer, DecodeSettings, open_decode_peer
+from tspd.shell.metrics import TspdMetrics, open_metrics_server
 from tspd.shell.offload import EngineRunner
 from tspd.shell.prefill import PrefillPeer, PrefillSettings, RemoteDecodeRow, open_prefill_peer
 from tspd.shell.steps import StepCounter
@@ -102,6 +106,8 @@ class RoleOptions:
     heartbeat_interval: float = 1.0
     heartbeat_max_failures: int = 2
     never_preallocate: bool = False
+    #: Serve /metrics and /traces on this port (0: any free port); ``None``: no endpoint.
+    metrics_port: int | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -117,6 +123,23 @@ async def _agreement(opts: RoleOptions) -> AsyncIterator[ReplicaAgreement]:
         )
     async with ZmqAgreement(opts.rank, opts.agree, timeout=max(30.0, opts.waiting_timeout)) as a:
         yield a
+
+
+@asynccontextmanager
+async def _metrics(opts: RoleOptions) -> AsyncIterator[tuple[TspdMetrics | None, str | None]]:
+    """This rank's metrics and the URL they are served at, when ``metrics_port`` is set."""
+    if opts.metrics_port is None:
+        yield None, None
+        return
+    metrics = TspdMetrics()
+    async with open_metrics_server(metrics, opts.host, opts.metrics_port) as server:
+        yield metrics, server.url
+
+
+def _failure_trace(peer: PrefillPeer | DecodePeer, room: int, ok: bool) -> dict[str, object] | None:
+    """A failed room's trace on this rank, for its report line."""
+    trace = None if ok else peer.trace(room)
+    return None if trace is None else trace.as_dict()
 
 
 def _check_capacity(opts: RoleOptions, contract: CacheContract) -> None:
@@ -163,9 +186,16 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
     failed = 0
     with HostArena.for_contract(contract) as arena, contextlib.closing(engine):
         async with (
+            _metrics(opts) as (metrics, metrics_url),
             _agreement(opts) as agreement,
             open_prefill_peer(
-                config, engine, arena, settings=settings, agreement=agreement, step_counter=counter
+                config,
+                engine,
+                arena,
+                settings=settings,
+                agreement=agreement,
+                step_counter=counter,
+                metrics=metrics,
             ) as peer,
         ):
             reporter.emit(
@@ -174,11 +204,13 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
                 session=engine.session_id,
                 registered=peer.registered_with_bootstrap,
                 pid=os.getpid(),
+                metrics=metrics_url,
             )
             reporter.announce(
                 f"control socket tcp://{opts.host}:{peer.control_port}, Mooncake session "
                 f"{engine.session_id}, bootstrap {opts.bootstrap} "
                 f"({'registered' if peer.registered_with_bootstrap else 'NOT registered'})"
+                + (f", metrics {metrics_url}" if metrics_url else "")
             )
             cpu0, wall0 = time.process_time(), time.monotonic()
             pending = deque(workload.rooms)
@@ -208,6 +240,7 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
                             room=room,
                             ok=ok,
                             reason=None if ok else event.reason,  # type: ignore[union-attr]
+                            trace=_failure_trace(peer, room, ok),
                         )
                 if ready:
                     await _prefill_forward(
@@ -339,8 +372,11 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
     failed = 0
     with HostArena.for_contract(contract) as arena, contextlib.closing(engine):
         async with (
+            _metrics(opts) as (metrics, metrics_url),
             _agreement(opts) as agreement,
-            open_decode_peer(config, engine, arena, settings=settings, agreement=agreement) as peer,
+            open_decode_peer(
+                config, engine, arena, settings=settings, agreement=agreement, metrics=metrics
+            ) as peer,
         ):
             reporter.emit(
                 "ready",
@@ -348,10 +384,12 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
                 session=engine.session_id,
                 arena_base=arena.base,
                 pid=os.getpid(),
+                metrics=metrics_url,
             )
             reporter.announce(
                 f"status socket tcp://{opts.host}:{peer.status_port}, Mooncake session "
                 f"{engine.session_id}, arena at {arena.base:#x}, Prefill bootstrap {opts.bootstrap}"
+                + (f", metrics {metrics_url}" if metrics_url else "")
             )
             cpu0, wall0 = time.process_time(), time.monotonic()
             pending = deque(workload.rooms)
@@ -396,6 +434,7 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
                             bytes=nbytes,
                             latency=seen - started,
                             seen=seen,
+                            trace=_failure_trace(peer, room, ok),
                         )
                 if not events:
                     with trio.move_on_after(_IDLE_MAX):
