@@ -160,9 +160,8 @@ def log_command(logger: logging.Logger, command: Command, **context: object) -> 
     ``context`` (``side=``, ``rank=``...) as fields; ``True`` if it was one of them.
 
     A failure is one WARNING line with its reason and ``reason_class`` (and
-    ``timeout_stage`` for a timeout). The core also queues a ``Log`` restating the
-    failure; when both reach this function, only the :class:`RoomFailed` line is
-    written, so every failure is exactly one line.
+    ``timeout_stage`` for a timeout): the cores emit one :class:`RoomFailed` per
+    failed room and no other line about it.
     """
     if isinstance(command, RoomFailed):
         if logger.isEnabledFor(logging.WARNING):
@@ -180,17 +179,7 @@ def log_command(logger: logging.Logger, command: Command, **context: object) -> 
         return True
     if isinstance(command, Log):
         level = LEVELS[command.level]
-        if logger.isEnabledFor(level) and not _restates_failure(command):
+        if logger.isEnabledFor(level):
             logger.log(level, "%s", command.message, extra=fields(room=command.room, **context))
         return True
     return False
-
-
-def _restates_failure(command: Log) -> bool:
-    """Whether ``command`` is the core's own restatement of a room failure (the
-    :class:`RoomFailed` command beside it is logged instead)."""
-    return (
-        command.room is not None
-        and command.level is LogLevel.WARNING
-        and command.message.startswith(f"room {command.room} failed: ")
-    )

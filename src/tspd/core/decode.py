@@ -316,8 +316,8 @@ class DecodeCore:
                 timeout_stage=timeout_stage,
                 reason_class=reason_class if kept == reason else None,
             )
+            # The RoomFailed command is the failure's one log line (tspd.log).
             self._commands.append(RoomFailed(room, kept, timeout_stage, cause))
-            self._log(LogLevel.WARNING, f"room {room} failed: {kept}", room)
 
     def _forget(self, receiver: _Receiver, now: float) -> None:
         room = receiver.room

@@ -426,8 +426,8 @@ class PrefillCore:
                 timeout_stage=timeout_stage,
                 reason_class=reason_class if kept == reason else None,
             )
+            # The RoomFailed command is the failure's one log line (tspd.log).
             self._commands.append(RoomFailed(room, kept, timeout_stage, cause))
-            self._log(LogLevel.WARNING, f"room {room} failed: {kept}", room)
         self._touch(room, now)
         self._per_room.in_flight.discard(room)
         self._per_room.written.discard(room)
