@@ -327,12 +327,16 @@ def test_tokenspeed_named_metrics_are_opt_in_and_prefill_only(pair: CorePair) ->
     prefill = metrics.peer("prefill", 0, dp_rank=2)
     decode = metrics.peer("decode", 0)
     _drive(pair, prefill, decode)
+    for _ in range(3):  # what the transfer workers report per destination write
+        prefill.observe_write(0.001)
+    decode.observe_write(0.001)  # a Decode rank never writes; nothing TokenSpeed-named
     ts = {"model_name": "llama", "app_key": "k", "dp_rank": "2"}
     get = metrics.registry.get_sample_value
     # Two Prefill failures (a write, a bootstrap timeout); Decode's are not counted.
     assert get("tokenspeed:kv_transfer_failures_total", ts) == 2
     assert get("tokenspeed:kv_transfer_timeouts_total", {**ts, "stage": "bootstrapping"}) == 1
-    assert get("tokenspeed:kv_transfer_latency_seconds_count", ts) == 2
+    assert get("tokenspeed:kv_transfer_latency_seconds_count", ts) == 3
+    assert get("tspd_transfer_write_seconds_count", {"side": "prefill", "rank": "0"}) == 3
     assert get("tokenspeed:kv_transfer_failures_total", {**ts, "dp_rank": "0"}) is None
     metrics.unregister()
     assert list(metrics.registry.collect()) == []

@@ -106,6 +106,7 @@ async def test_peers_report_metrics_traces_and_one_line_per_failure(
     assert value("tspd_room_failures_total", **d, reason_class="peer-failed") == 1
     assert value("tspd_scheduler_events_total", **d, event="remote_prefill_done") == 1
     assert value("tspd_kv_transfer_latency_seconds_count", **p) == 1
+    assert value("tspd_transfer_write_seconds_count", **p) == 1  # room 2's write failed
     assert value("tspd_transfer_bytes_total", **p) == 3 * 64
     assert value("tspd_transfer_descriptors_total", **p) == 1
     assert value("tspd_transfer_chunks_total", **p) == 2

@@ -34,6 +34,7 @@ metric                                       kind      labels
 ``tspd_room_duration_seconds``               histogram side, rank, outcome
 ``tspd_room_phase_seconds``                  histogram side, rank, phase
 ``tspd_kv_transfer_latency_seconds``         histogram side, rank
+``tspd_transfer_write_seconds``              histogram side, rank
 ``tspd_transfer_chunks_total``               counter   side, rank
 ``tspd_transfer_chunks_in_flight``           gauge     side, rank
 ``tspd_transfer_bytes_total``                counter   side, rank
@@ -64,7 +65,10 @@ metric                                       kind      labels
 
 ``tspd_kv_transfer_latency_seconds`` is a successful Prefill room's transfer
 phase: from its first chunk going to the workers to its final write (spec §10's
-latency, per room).
+latency, per room, queueing on the workers included).
+``tspd_transfer_write_seconds`` is one write to one destination session, every
+engine call of it (the transport's share; R-pd observes each ``write_copies``).
+Its ``_sum`` divided into ``tspd_transfer_bytes_total`` is the achieved rate.
 
 TokenSpeed's own three KV-transfer metrics have no fixed names in any source
 (spec §10); with ``tokenspeed=TokenSpeedLabels(model_name, app_key)`` the Prefill
@@ -72,8 +76,8 @@ peers also export them under the names the specification suggests, labelled
 ``model_name``, ``app_key``, ``dp_rank``, for dashboards built on those:
 ``tokenspeed:kv_transfer_failures_total`` (once per failed room),
 ``tokenspeed:kv_transfer_timeouts_total{stage}`` (``bootstrapping``) and
-``tokenspeed:kv_transfer_latency_seconds`` (per successful room, as above; R-pd
-observes each destination's write instead).
+``tokenspeed:kv_transfer_latency_seconds`` (per successful destination write, as
+R-pd observes it).
 
 Gaps healed by replay are ``tspd_kv_subscriber_gaps_total`` less
 ``tspd_kv_subscriber_gaps_unhealed_total`` (each loss report counts as one
@@ -472,6 +476,13 @@ class TspdMetrics:
             buckets=LATENCY_BUCKETS,
             registry=reg,
         )
+        self.transfer_write = Histogram(
+            "tspd_transfer_write_seconds",
+            "One write to one destination session: every engine call of it.",
+            list(_PEER),
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
         self.transfer_chunks = Counter(
             "tspd_transfer_chunks",
             "Transfer chunks handed to the transfer workers.",
@@ -506,7 +517,7 @@ class TspdMetrics:
         )
         self.ts_latency = Histogram(
             "tokenspeed:kv_transfer_latency_seconds",
-            "Successful KV transfers: first chunk queued to final write done.",
+            "Successful KV transfer writes, one destination each (Prefill side).",
             ts_labels,
             buckets=LATENCY_BUCKETS,
             registry=None,
@@ -525,6 +536,7 @@ class TspdMetrics:
             self.room_duration,
             self.room_phase,
             self.transfer_latency,
+            self.transfer_write,
             self.transfer_chunks,
             self.scheduler_events,
             self.subscriber_unhealed,
@@ -609,6 +621,7 @@ class PeerMetrics:
         self._labels = labels
         self._chunks = metrics.transfer_chunks.labels(*labels)
         self._latency = metrics.transfer_latency.labels(*labels)
+        self._write = metrics.transfer_write.labels(*labels)
         ts = metrics.tokenspeed if side is Side.PREFILL else None
         self._ts_labels = (ts.model_name, ts.app_key, str(dp_rank)) if ts is not None else None
         self._children: dict[tuple[str, str], Any] = {}
@@ -661,8 +674,13 @@ class PeerMetrics:
             self._child(metrics.room_phase, "phase", phase).observe(seconds)
         if trace.outcome is Outcome.SUCCESS and trace.chunks and "transfer" in phases:
             self._latency.observe(phases["transfer"])
-            if self._ts_labels is not None:
-                metrics.ts_latency.labels(*self._ts_labels).observe(phases["transfer"])
+
+    def observe_write(self, seconds: float) -> None:
+        """A transfer worker finished one write to one destination in ``seconds``
+        (every engine call of it; its bytes are counted from the peer's statistics)."""
+        self._write.observe(seconds)
+        if self._ts_labels is not None:
+            self.metrics.ts_latency.labels(*self._ts_labels).observe(seconds)
 
     def observe_finished_all(self, traces: Iterable[RoomTrace]) -> None:
         """:meth:`observe_finished` for each of ``traces``."""

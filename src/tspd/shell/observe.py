@@ -10,6 +10,8 @@ moves bytes:
   (:func:`tspd.log.log_command`), both with ``side``/``rank``/``room`` fields;
   failures, timeouts and transfer chunks are counted;
 * the scheduler's events from each poll → :meth:`PeerObserver.events`;
+* each destination write the transfer workers finish → :meth:`PeerObserver.write`
+  (the engine's write latency);
 * the core's finished room traces (``core.drain_finished()``) →
   :meth:`PeerObserver.finished`: outcome, room and phase durations, transfer
   latency; a room that ran slow also gets one INFO line with its phases (failed
@@ -102,6 +104,11 @@ class PeerObserver:
         if self.metrics is not None:
             self.metrics.observe_command(command)
         return log_command(self.log, command, **self._context)
+
+    def write(self, session_id: str, nbytes: int, seconds: float) -> None:
+        """A transfer worker wrote ``nbytes`` to ``session_id`` in ``seconds``."""
+        if self.metrics is not None:
+            self.metrics.observe_write(seconds)
 
     def events(self, events: Iterable[Event]) -> None:
         """Count the scheduler's events from one poll."""

@@ -161,6 +161,7 @@ class PrefillPeer:
             self,
             count=core.config.transfer_workers,
             read_step=step_counter.read if step_counter is not None else None,
+            on_write=self.observer.write,
         )
         self._rooms_by_rid: dict[str, int] = {}
         self._memory_registered = False

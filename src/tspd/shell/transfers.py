@@ -25,6 +25,11 @@ shared call fails every room with copies in it, with that call's error (the
 failure marks the session failed, so newer rooms to it fail fast anyway).
 A layerwise chunk is never grouped, and keeps its place in the queue.
 
+Each write to one destination session that succeeds — one chunk's copies in one
+interval, or a group's shared copies — is reported to ``on_write(session_id,
+nbytes, seconds)`` when given, for the transfer latency metrics (spec §10: R-pd
+observes each ``write_copies``).
+
 A worker never dies of a chunk's error: it logs it, fails that room through the
 core ("first failure wins" is the core's rule), and takes the next chunk.
 Engine calls go through an :class:`~tspd.engines.base.AsyncTransferEngine`
@@ -111,9 +116,11 @@ class TransferWorkers:
         count: int,
         read_step: Callable[[], int] | None = None,
         max_descriptors: int = DEFAULT_MAX_DESCRIPTORS,
+        on_write: Callable[[str, int, float], None] | None = None,
     ) -> None:
         self._engine = engine
         self._feedback = feedback
+        self._on_write = on_write
         self._read_step = read_step
         self._max_descriptors = max_descriptors
         channels = [trio.open_memory_channel[StartTransfer](math.inf) for _ in range(max(count, 1))]
@@ -235,12 +242,17 @@ class TransferWorkers:
                 self._feedback.chunk_failed(chunk, None, f"{type(exc).__name__}: {exc}")
 
     async def _write(self, session: str, plan: CopyPlan) -> None:
-        """Write ``plan`` to ``session`` in engine calls of at most ``max_descriptors``."""
+        """Write ``plan`` to ``session`` in engine calls of at most ``max_descriptors``;
+        a write that moved bytes is reported to ``on_write``."""
+        started, written = trio.current_time(), 0
         for batch in batches(plan, self._max_descriptors):
             await self._engine.batch_write(session, batch.src, batch.dst, batch.length)
             self.stats.engine_calls += 1
             self.stats.descriptors += len(batch)
             self.stats.bytes_written += batch.total_bytes
+            written += batch.total_bytes
+        if written and self._on_write is not None:
+            self._on_write(session, written, trio.current_time() - started)
 
     async def _wait_step(
         self, chunk: StartTransfer, target: int, read: Callable[[], int]
