@@ -368,3 +368,21 @@ async def test_router_mandatory_refuses_an_unknown_peer_on_the_first_frame(
         assert router.send_multipart_nowait([client, b"reply"]) is True
         with trio.fail_after(5):
             assert await dealer.recv_multipart() == [b"reply"]
+
+
+async def test_batch_drain_stops_at_the_byte_budget(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    # inproc: a sent message is in the receiver's queue as soon as send returns.
+    pull = open_socket(ctx, zmq.PULL)
+    pull.sock.bind("inproc://byte-budget")
+    push = open_socket(ctx, zmq.PUSH)
+    push.sock.connect("inproc://byte-budget")
+    async with pull, push:
+        for i in range(10):
+            await push.send_multipart([bytes([i]), b"x" * 99])  # 100 bytes a message
+        with trio.fail_after(5):
+            first = await pull.recv_batch(8, max_bytes=250)
+            second = await pull.recv_batch(8, max_bytes=100)
+            rest = await pull.recv_batch(8)
+    assert [m[0] for m in first] == [b"\x00", b"\x01", b"\x02"]  # the crossing one is kept
+    assert [m[0] for m in second] == [b"\x03"]
+    assert [m[0] for m in rest] == [bytes([i]) for i in range(4, 10)]

@@ -65,7 +65,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# One read of a socket takes at most this many messages, and stops after this many
+# bytes. A read's batches are decoded together and stay alive until the consumer
+# takes the group; kept below the collector's youngest generation (700 objects by
+# default; a 16-event batch decodes to about 20), they die before a collection
+# traces them. Measured end to end with 16-event batches (~1 KB), per 50,000: 128
+# a read, ~1,090 young and 9 full collections, 38-44 us of subscriber CPU a batch;
+# 16 KiB a read (~17 batches), 17 young and no full ones, 29-35 us.
 _RECV_BATCH: Final = 128
+_RECV_BYTES: Final = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +232,7 @@ class _SourceFeed:
 
     async def _live_loop(self) -> None:
         while True:
-            messages = await self.sub.recv_batch(_RECV_BATCH)
+            messages = await self.sub.recv_batch(_RECV_BATCH, _RECV_BYTES)
             now = trio.current_time()
             for frames in messages:
                 try:
@@ -237,7 +245,7 @@ class _SourceFeed:
 
     async def _replay_loop(self, dealer: TrioSocket) -> None:
         while True:
-            messages = await dealer.recv_batch(_RECV_BATCH)
+            messages = await dealer.recv_batch(_RECV_BATCH, _RECV_BYTES)
             now = trio.current_time()
             for frames in messages:
                 try:

@@ -153,17 +153,29 @@ class TrioSocket:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return msg
 
-    async def recv_batch(self, max_msgs: int = 256) -> list[list[bytes]]:
-        """Receive every queued message, at least one and at most ``max_msgs``."""
+    async def recv_batch(
+        self, max_msgs: int = 256, max_bytes: int | None = None
+    ) -> list[list[bytes]]:
+        """Receive every queued message, at least one and at most ``max_msgs``.
+
+        With ``max_bytes``, stop once the messages taken reach that many bytes (all
+        frames counted; the message that crosses the bound is kept).
+        """
         if max_msgs < 1:
             raise ValueError(f"max_msgs must be at least 1, got {max_msgs}")
         await trio.lowlevel.checkpoint_if_cancelled()
         out: list[list[bytes]] = []
+        budget = max_bytes if max_bytes is not None else -1
         while True:
             self._check_open()
             try:
                 while len(out) < max_msgs:
-                    out.append(self._recv_now())
+                    msg = self._recv_now()
+                    out.append(msg)
+                    if budget >= 0:
+                        budget -= sum(map(len, msg))
+                        if budget <= 0:
+                            break
             except zmq.Again:
                 if not out:
                     await self._wait(_POLLIN)
