@@ -30,8 +30,8 @@ demo: setup
 	$(VENV)/bin/tspd demo
 
 lint: setup
-	$(VENV)/bin/ruff check src tests fuzz
-	$(VENV)/bin/ruff format --check src tests fuzz
+	$(VENV)/bin/ruff check src tests fuzz examples docs
+	$(VENV)/bin/ruff format --check src tests fuzz examples docs
 
 typecheck: setup
 	$(VENV)/bin/mypy src

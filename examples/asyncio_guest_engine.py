@@ -2,7 +2,7 @@
 
 Run it: ``python examples/asyncio_guest_engine.py``. Everything stays on
 127.0.0.1: a bootstrap server, one Prefill and one Decode rank whose KV is copied
-by fake transfer engines (``tspd.hosts.local.LocalPD``), a KV-event publisher and
+by fake transfer engines (``tspd.testing.local_pd.LocalPD``), a KV-event publisher and
 a subscriber. The engine registers a few requests on both sides, polls, hands
 each prompt's KV over, sees ``RemotePrefillDone`` on Decode with the bytes
 intact, publishes the prompts' prefix blocks and reads them back. Exits 0 and
@@ -19,8 +19,8 @@ from tspd.core.commands import Bootstrapped, Event, Failed, RemotePrefillDone, S
 from tspd.core.kv_events import AllBlocksCleared, BlockStored
 from tspd.core.manifest import BlockManifest
 from tspd.hosts.guest import TrioGuest, open_trio_guest
-from tspd.hosts.local import LocalPD, Prompt
 from tspd.shell.kv_subscriber import KVEventSubscriber, ReceivedBatch
+from tspd.testing.local_pd import LocalPD, Prompt
 
 PROMPT = 12
 REQUESTS = ("req-1", "req-2", "req-3")

@@ -5,7 +5,7 @@ anything: ``open_trio_thread`` runs the peers and KV-event services in a
 background Trio thread, and the facades' entry points (register, hand over,
 pre-allocate) return a future at once; ``poll()`` waits only for its poll round,
 never for a transfer. Everything stays on 127.0.0.1 with fake transfer engines
-(``tspd.hosts.local.LocalPD``). Exits 0 and prints a summary line when every
+(``tspd.testing.local_pd.LocalPD``). Exits 0 and prints a summary line when every
 request arrived intact on Decode and the published KV blocks were read back.
 """
 
@@ -18,7 +18,6 @@ import time
 from tspd.core.commands import Bootstrapped, Event, Failed, RemotePrefillDone, Succeeded
 from tspd.core.kv_events import AllBlocksCleared, BlockStored
 from tspd.core.manifest import BlockManifest
-from tspd.hosts.local import LocalPD, Prompt
 from tspd.hosts.threads import (
     ThreadedDecode,
     ThreadedPrefill,
@@ -27,6 +26,7 @@ from tspd.hosts.threads import (
     open_trio_thread,
 )
 from tspd.shell.kv_subscriber import ReceivedBatch
+from tspd.testing.local_pd import LocalPD, Prompt
 
 PROMPT = 12
 REQUESTS = ("req-1", "req-2", "req-3")

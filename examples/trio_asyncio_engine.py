@@ -4,7 +4,7 @@ The engine's code is ordinary asyncio; only its entry point changed, from
 ``asyncio.run(main())`` to ``run_aio_host(main)`` (Trio outside, the asyncio code
 on trio-asyncio's loop). Run it: ``python examples/trio_asyncio_engine.py``. Everything stays on
 127.0.0.1: a bootstrap server, one Prefill and one Decode rank whose KV is copied
-by fake transfer engines (``tspd.hosts.local.LocalPD``), a KV-event publisher and
+by fake transfer engines (``tspd.testing.local_pd.LocalPD``), a KV-event publisher and
 a subscriber. The engine registers a few requests on both sides, polls, hands
 each prompt's KV over, sees ``RemotePrefillDone`` on Decode with the bytes
 intact, publishes the prompts' prefix blocks and reads them back. Exits 0 and
@@ -21,8 +21,8 @@ from tspd.core.commands import Bootstrapped, Event, Failed, RemotePrefillDone, S
 from tspd.core.kv_events import AllBlocksCleared, BlockStored
 from tspd.core.manifest import BlockManifest
 from tspd.hosts.aio import AioBridge, run_aio_host
-from tspd.hosts.local import LocalPD, Prompt
 from tspd.shell.kv_subscriber import KVEventSubscriber, ReceivedBatch
+from tspd.testing.local_pd import LocalPD, Prompt
 
 PROMPT = 12
 REQUESTS = ("req-1", "req-2", "req-3")

@@ -3,7 +3,7 @@
 Run it: ``python examples/trio_engine.py``. A Trio host needs nothing from
 ``tspd.hosts`` but the local rig: it enters the peers and KV-event services with
 ``async with`` and calls them directly. Everything stays on 127.0.0.1 with fake
-transfer engines (``tspd.hosts.local.LocalPD``). Exits 0 and prints a summary
+transfer engines (``tspd.testing.local_pd.LocalPD``). Exits 0 and prints a summary
 line when every request arrived intact on Decode and the published KV blocks
 were read back.
 """
@@ -17,8 +17,8 @@ import trio
 from tspd.core.commands import Bootstrapped, Event, Failed, RemotePrefillDone, Succeeded
 from tspd.core.kv_events import AllBlocksCleared, BlockStored
 from tspd.core.manifest import BlockManifest
-from tspd.hosts.local import LocalPD, Prompt
 from tspd.shell.kv_subscriber import KVEventSubscriber, ReceivedBatch
+from tspd.testing.local_pd import LocalPD, Prompt
 
 PROMPT = 12
 REQUESTS = ("req-1", "req-2", "req-3")

@@ -24,8 +24,8 @@ from tspd.core.kv_events import AllBlocksCleared, BlockStored, KVEvent
 from tspd.hosts.aio import open_aio_bridge, run_aio_host
 from tspd.hosts.bridge import BridgeClosed, TrioBridge
 from tspd.hosts.guest import open_trio_guest
-from tspd.hosts.local import LocalPD, Prompt
 from tspd.shell.kv_subscriber import KVEventSubscriber, ReceivedBatch
+from tspd.testing.local_pd import LocalPD, Prompt
 
 T = TypeVar("T")
 PROMPT = 10

@@ -22,7 +22,6 @@ from tspd.core.commands import Bootstrapped, Event, Failed, RemotePrefillDone, S
 from tspd.core.errors import ProtocolError
 from tspd.core.kv_events import AllBlocksCleared, BlockStored, KVEvent
 from tspd.hosts.bridge import BridgeClosed
-from tspd.hosts.local import LocalPD, Prompt
 from tspd.hosts.threads import (
     ThreadedDecode,
     ThreadedPrefill,
@@ -34,6 +33,7 @@ from tspd.shell.kv_subscriber import ReceivedBatch
 from tspd.shell.prefill import ExtendRow
 from tspd.shell.steps import StepCounter
 from tspd.testing.fake_engine import AsyncFakeEngine
+from tspd.testing.local_pd import LocalPD, Prompt
 
 PROMPT = 10
 

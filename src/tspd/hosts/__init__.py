@@ -12,8 +12,8 @@ The two asyncio bridges share :class:`~tspd.hosts.bridge.TrioBridge`, so engine
 code is written once; all three hold long-lived services (peers, bootstrap
 server, KV-event publisher and subscriber) with
 :class:`~tspd.hosts.services.ServiceNursery` and close them newest first.
-:mod:`tspd.hosts.local` stands up a one-process Prefill/Decode pair on loopback
-to try an integration against. Trio hosts need none of this: they use
+:mod:`tspd.testing.local_pd` stands up a one-process Prefill/Decode pair on
+loopback (fake engines) to try an integration against. Trio hosts need none of this: they use
 ``tspd.shell`` directly. ``examples/`` has one engine per host kind.
 
 Importing this package does not import trio-asyncio: :mod:`tspd.hosts.aio`
