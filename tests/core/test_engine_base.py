@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tspd.engines.base import EngineUnavailable, TransferError, as_address_list
-from tspd.engines.mooncake import MooncakeEngine, load_mooncake
+from tspd.engines.mooncake import MooncakeEngine, load_mooncake, transfer_timeout
 
 
 def test_as_address_list_accepts_ints_and_integer_arrays() -> None:
@@ -68,3 +68,24 @@ def test_import_failures_say_what_to_install(
 def test_max_descriptors_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_descriptors"):
         MooncakeEngine("127.0.0.1", max_descriptors=0)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (None, 30.0),
+        ("5", 5.0),
+        ("12", 12.0),
+        ("3", 5.0),
+        ("0", 5.0),
+        ("-4", 5.0),
+        ("7s", 7.0),
+        ("abc", 5.0),
+        (" 9", 9.0),
+    ],
+)
+def test_transfer_timeout_reads_mc_transfer_timeout_like_mooncake(
+    value: str | None, seconds: float
+) -> None:
+    environ = {} if value is None else {"MC_TRANSFER_TIMEOUT": value}
+    assert transfer_timeout(environ) == seconds

@@ -24,11 +24,18 @@ import trio
 
 pytest.importorskip("mooncake.engine")
 
-from tspd.engines.base import EngineUnavailable, TransferEngine, TransferError
+from tspd.engines.base import (
+    EngineUnavailable,
+    PollingEngine,
+    TransferEngine,
+    TransferError,
+    WriteTicket,
+)
 from tspd.engines.mooncake import (
     DEFAULT_MAX_DESCRIPTORS,
     INIT_FAILED,
     MooncakeEngine,
+    transfer_timeout,
 )
 from tspd.shell.offload import EngineRunner
 
@@ -255,3 +262,132 @@ def test_hung_peer_fails_after_the_transfer_timeout(local: Local, dying_peer: Pe
         os.kill(peer.proc.pid, signal.SIGCONT)
     local.engine.batch_write(peer.session, [local.addr + PAGE], [peer.addr], [PAGE])
     assert peer.digest(0, PAGE) == sha(local.arena[PAGE : 2 * PAGE])
+
+
+# -- the non-blocking pair: transfer_submit_write + transfer_check_status --------
+
+
+def _finish(engine: MooncakeEngine, ticket: WriteTicket, limit: float = 10.0) -> None:
+    """Check ``ticket`` until done (raises what ``check_write`` raises)."""
+    deadline = time.monotonic() + limit
+    while not engine.check_write(ticket):
+        assert time.monotonic() < deadline, "a submitted write never finished"
+
+
+def test_engine_is_a_polling_engine(local: Local) -> None:
+    assert isinstance(local.engine, PollingEngine)
+
+
+def test_submitted_writes_land_byte_for_byte(local: Local, peer: Peer) -> None:
+    tickets = [
+        local.engine.submit_write(
+            peer.session, local.addr + i * PAGE, peer.addr + (20 << 20) + (3 - i) * PAGE, PAGE
+        )
+        for i in range(4)
+    ]
+    big = local.engine.submit_write(peer.session, local.addr + (2 << 20), peer.addr, 4 << 20)
+    for ticket in [*tickets, big]:
+        _finish(local.engine, ticket)
+    expected = np.concatenate([local.arena[(3 - i) * PAGE : (4 - i) * PAGE] for i in range(4)])
+    assert peer.digest(20 << 20, 4 * PAGE) == sha(expected)
+    assert peer.digest(0, 4 << 20) == sha(local.arena[2 << 20 : 6 << 20])
+    assert big.length == 4 << 20
+    assert big.peer_session == peer.session
+
+
+def test_a_submitted_write_outside_the_peer_fails_at_the_check(local: Local, peer: Peer) -> None:
+    ticket = local.engine.submit_write(peer.session, local.addr, peer.addr + ARENA - 100, PAGE)
+    with pytest.raises(TransferError) as err:
+        _finish(local.engine, ticket)
+    assert err.value.peer == peer.session
+    assert err.value.code < 0
+
+
+def test_submitted_writes_to_a_dead_peer_fail_fast(local: Local, dying_peer: Peer) -> None:
+    peer = dying_peer
+    _finish(local.engine, local.engine.submit_write(peer.session, local.addr, peer.addr, PAGE))
+    peer.stop()
+    started = time.monotonic()
+    with pytest.raises(TransferError) as dead:
+        _finish(local.engine, local.engine.submit_write(peer.session, local.addr, peer.addr, PAGE))
+    with pytest.raises(TransferError) as unknown:
+        _finish(local.engine, local.engine.submit_write("127.0.0.1:1", local.addr, 0x10000, PAGE))
+    assert time.monotonic() - started < 5  # refused, not timed out
+    assert dead.value.peer == peer.session
+    assert dead.value.code < 0
+    assert unknown.value.peer == "127.0.0.1:1"
+
+
+async def test_runner_polls_small_writes_to_a_reached_peer(local: Local, peer: Peer) -> None:
+    runner = EngineRunner(local.engine, limiter=trio.CapacityLimiter(1))
+    offsets = np.arange(4, dtype=np.int64) * PAGE
+    dst = peer.addr + (24 << 20)
+    await runner.batch_write(peer.session, local.addr + offsets, dst + offsets, np.full(4, PAGE))
+    await runner.batch_write(
+        peer.session, local.addr + PAGE * 8 + offsets, dst + offsets[::-1], np.full(4, PAGE)
+    )
+    assert (runner.thread_writes, runner.polled_writes) == (1, 1)
+    expected = np.concatenate([local.arena[(11 - i) * PAGE : (12 - i) * PAGE] for i in range(4)])
+    assert peer.digest(24 << 20, 4 * PAGE) == sha(expected)
+
+
+async def test_runner_polled_write_to_a_dead_peer_is_a_transfer_error(
+    local: Local, dying_peer: Peer
+) -> None:
+    peer = dying_peer
+    runner = EngineRunner(local.engine)
+    await runner.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
+    peer.stop()
+    with pytest.raises(TransferError) as err:
+        await runner.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
+    assert runner.polled_writes == 1
+    assert err.value.peer == peer.session
+    assert err.value.code < 0
+
+
+async def test_runner_finishes_a_polled_write_it_was_cancelled_during(
+    local: Local, peer: Peer
+) -> None:
+    """A cancel that lands while a 16 MiB write is being polled waits for the write:
+    the bytes are all there when the cancellation is delivered."""
+    runner = EngineRunner(local.engine)
+    await runner.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
+    size = 16 << 20
+    src = local.addr + (8 << 20)
+    with trio.CancelScope() as scope:
+        scope.deadline = trio.current_time() + 0.001
+        await runner.batch_write(peer.session, [src], [peer.addr], [size])
+        await trio.sleep(10)  # the cancellation lands here, after the write
+    assert scope.cancelled_caught
+    assert runner.polled_writes == 1
+    assert runner.in_flight == 0
+    assert peer.digest(0, size) == sha(local.arena[8 << 20 : (8 << 20) + size])
+
+
+@pytest.mark.slow
+async def test_runner_polled_write_to_a_hung_peer_fails_after_the_timeout(
+    local: Local, dying_peer: Peer
+) -> None:
+    """A stopped peer: the polled write is checked, through a cancel, until
+    MC_TRANSFER_TIMEOUT (5 s in the test configuration) fails it."""
+    peer = dying_peer
+    assert transfer_timeout() == 5.0
+    runner = EngineRunner(local.engine)
+    await runner.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        started = trio.current_time()
+        with trio.move_on_after(0.1) as scope, pytest.raises(TransferError) as err:
+            await runner.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
+        elapsed = trio.current_time() - started
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    assert runner.polled_writes == 1
+    assert not scope.cancelled_caught, "the outcome of the write is what the caller gets"
+    assert err.value.peer == peer.session
+    assert elapsed >= 5.0
+    # Resumed: the peer went back to the thread way and is reached again (into
+    # another page: the timed-out write may still land once the peer runs).
+    await runner.batch_write(peer.session, [local.addr + PAGE], [peer.addr + PAGE], [PAGE])
+    assert runner.thread_writes == 2
+    assert peer.digest(PAGE, PAGE) == sha(local.arena[PAGE : 2 * PAGE])

@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from tspd.engines.base import AsyncTransferEngine, TransferEngine, TransferError
+from tspd.engines.base import AsyncTransferEngine, PollingEngine, TransferEngine, TransferError
 from tspd.testing.fake_engine import AsyncFakeEngine, FakeEngine, FakeFabric
 
 
@@ -229,3 +229,91 @@ async def test_async_fake_engine_finishes_a_write_despite_cancel(
     assert a.in_flight == 0
     b.close()
     a.close()
+
+
+# -- the non-blocking pair (PollingEngine) ------------------------------------
+
+
+class _Clock:
+    """A hand-driven clock for the fake engine's non-blocking writes."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_fake_engine_is_a_polling_engine(fabric: FakeFabric) -> None:
+    assert isinstance(FakeEngine(fabric=fabric), PollingEngine)
+
+
+def test_submitted_write_completes_at_the_first_check(fabric: FakeFabric) -> None:
+    a, b = FakeEngine(fabric=fabric), FakeEngine(fabric=fabric)
+    src_arr, src = _arena(64, fill=7)
+    dst_arr, dst = _arena(64)
+    a.register_memory(src, 64)
+    b.register_memory(dst, 64)
+    ticket = a.submit_write(b.session_id, src, dst, 64)
+    assert ticket.peer_session == b.session_id
+    assert ticket.length == 64
+    assert a.pending_writes == 1
+    assert not dst_arr.any(), "nothing is copied before the write is checked"
+    assert a.check_write(ticket) is True
+    assert bytes(dst_arr) == bytes(src_arr)
+    assert a.pending_writes == 0
+    assert a.stats.descriptors == 1
+    with pytest.raises(TransferError, match="no write in flight"):
+        a.check_write(ticket)  # a ticket is spent once done
+
+
+def test_submitted_write_with_latency_is_pending_until_it_passed(fabric: FakeFabric) -> None:
+    clock = _Clock()
+    a = FakeEngine(fabric=fabric, latency=0.5, clock=clock)
+    b = FakeEngine(fabric=fabric)
+    src_arr, src = _arena(16, fill=3)
+    dst_arr, dst = _arena(16)
+    a.register_memory(src, 16)
+    b.register_memory(dst, 16)
+    ticket = a.submit_write(b.session_id, src, dst, 16)
+    assert a.check_write(ticket) is False
+    clock.now += 0.49
+    assert a.check_write(ticket) is False
+    assert not dst_arr.any()
+    clock.now += 0.02
+    assert a.check_write(ticket) is True
+    assert bytes(dst_arr) == bytes(src_arr)
+
+
+def test_submitted_write_faults_and_bad_addresses_fail_at_the_check(fabric: FakeFabric) -> None:
+    clock = _Clock()
+    a, b = FakeEngine(fabric=fabric, clock=clock), FakeEngine(fabric=fabric)
+    _, src = _arena(16)
+    _, dst = _arena(16)
+    a.register_memory(src, 16)
+    b.register_memory(dst, 16)
+    a.fail_next(b.session_id, code=-5)
+    failing = a.submit_write(b.session_id, src, dst, 16)
+    with pytest.raises(TransferError) as err:
+        a.check_write(failing)
+    assert (err.value.peer, err.value.code) == (b.session_id, -5)
+    a.hang_next(b.session_id, 2.0)
+    hung = a.submit_write(b.session_id, src, dst, 16)
+    clock.now += 1.9
+    assert a.check_write(hung) is False
+    clock.now += 0.2
+    with pytest.raises(TransferError, match="stalling 2s"):
+        a.check_write(hung)
+    outside = a.submit_write(b.session_id, src, dst + 8, 16)
+    with pytest.raises(TransferError, match="not within any registered buffer"):
+        a.check_write(outside)
+    assert a.stats.failures == 3
+    assert a.pending_writes == 0
+
+
+def test_a_closed_fake_engine_refuses_to_submit(fabric: FakeFabric) -> None:
+    a, b = FakeEngine(fabric=fabric), FakeEngine(fabric=fabric)
+    a.close()
+    with pytest.raises(TransferError, match="closed"):
+        a.submit_write(b.session_id, 1, 1, 1)
+    assert a.pending_writes == 0

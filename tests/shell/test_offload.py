@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from tspd.core.schedule import STEP_MODULUS
-from tspd.engines.base import AddressList, AsyncTransferEngine, TransferError
+from tspd.engines.base import AddressList, AsyncTransferEngine, TransferError, WriteTicket
 from tspd.shell.offload import EngineRunner, wait_step
 from tspd.testing.fake_engine import FakeEngine, FakeFabric
 
@@ -199,3 +199,170 @@ async def test_a_write_cancelled_while_waiting_for_the_limiter_never_starts() ->
         assert scope.cancelled_caught
     assert a.stats.batches == 1, "the queued write must not have run"
     assert dst[8:16].sum() == 0
+
+
+# -- polled writes (engines with the non-blocking pair) -------------------------
+
+
+async def _warm(runner: EngineRunner, peer: str, src: int, dst: int) -> None:
+    """One write through the thread, after which ``peer`` counts as reached."""
+    await runner.batch_write(peer, [src], [dst], [1])
+
+
+async def test_small_writes_to_a_reached_peer_are_polled_not_threaded() -> None:
+    a, b, src, dst = _pair()
+    runner = EngineRunner(a)
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    await _warm(runner, b.session_id, s, d)
+    assert (runner.thread_writes, runner.polled_writes) == (1, 0)
+    # Four copies (the default limit), as arrays like a CopyPlan's columns.
+    offsets = np.arange(4, dtype=np.int64) * 64
+    await runner.batch_write(b.session_id, s + offsets, d + offsets[::-1], np.full(4, 64))
+    assert (runner.thread_writes, runner.polled_writes) == (1, 1)
+    for i in range(4):
+        assert bytes(dst[(3 - i) * 64 : (4 - i) * 64]) == bytes(src[i * 64 : (i + 1) * 64])
+    assert a.pending_writes == 0
+    assert runner.in_flight == 0
+    # Five copies go through the thread again.
+    await runner.batch_write(b.session_id, [s] * 5, [d] * 5, [1] * 5)
+    assert (runner.thread_writes, runner.polled_writes) == (2, 1)
+
+
+async def test_polling_can_be_switched_off() -> None:
+    a, b, src, dst = _pair()
+    runner = EngineRunner(a, poll_max_descriptors=0)
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    for _ in range(3):
+        await runner.batch_write(b.session_id, [s], [d], [8])
+    assert (runner.thread_writes, runner.polled_writes) == (3, 0)
+    with pytest.raises(ValueError, match="poll_max_descriptors"):
+        EngineRunner(a, poll_max_descriptors=-1)
+
+
+async def test_a_failed_polled_write_raises_and_sends_the_peer_back_to_the_thread() -> None:
+    a, b, src, dst = _pair()
+    runner = EngineRunner(a)
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    await _warm(runner, b.session_id, s, d)
+    a.fail_next(b.session_id, code=-3)
+    with pytest.raises(TransferError) as err:
+        await runner.batch_write(b.session_id, [s, s + 8], [d, d + 8], [8, 8])
+    assert (err.value.peer, err.value.code) == (b.session_id, -3)
+    assert runner.polled_writes == 1
+    assert a.pending_writes == 0, "the other copy was still waited for"
+    assert runner.in_flight == 0
+    # After a failure the next write to that peer reaches it through the thread.
+    await runner.batch_write(b.session_id, [s], [d], [8])
+    assert (runner.thread_writes, runner.polled_writes) == (2, 1)
+
+
+async def test_polled_write_columns_are_validated() -> None:
+    a, b, src, dst = _pair()
+    runner = EngineRunner(a)
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    await _warm(runner, b.session_id, s, d)
+    with pytest.raises(TransferError, match="differ in length"):
+        await runner.batch_write(b.session_id, [s, s], [d], [1, 1])
+    with pytest.raises(TransferError, match="integers"):
+        await runner.batch_write(b.session_id, [s], [d], [1.5])  # type: ignore[list-item]
+    await runner.batch_write(b.session_id, [s], [d], [0])  # zero bytes: nothing to do
+    assert a.pending_writes == 0
+
+
+async def test_a_cancelled_polled_write_finishes_before_the_cancel_lands() -> None:
+    a, b, src, dst = _pair()
+    runner = EngineRunner(a)
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    await _warm(runner, b.session_id, s, d)
+    dst[:] = 0
+    a.latency = 0.2
+    with trio.CancelScope() as scope:
+        scope.deadline = trio.current_time() + 0.02
+        await runner.batch_write(b.session_id, [s], [d], [256])
+        await trio.sleep(10)  # the cancellation lands here, after the write
+    assert scope.cancelled_caught
+    assert runner.polled_writes == 1
+    assert bytes(dst) == bytes(src), "the write must have completed, not been abandoned"
+    assert a.pending_writes == 0
+
+
+async def test_a_cancelled_failing_polled_write_reports_its_error() -> None:
+    a, b, src, dst = _pair()
+    runner = EngineRunner(a)
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    await _warm(runner, b.session_id, s, d)
+    a.hang_next(b.session_id, 0.1)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        with pytest.raises(trio.Cancelled):
+            await runner.batch_write(b.session_id, [s], [d], [8])
+    assert a.pending_writes == 0, "cancelled before it started: nothing submitted"
+    with trio.move_on_after(0.01) as scope, pytest.raises(TransferError, match="stalling"):
+        await runner.batch_write(b.session_id, [s], [d], [8])
+    assert not scope.cancelled_caught
+    assert a.pending_writes == 0
+
+
+class _SubmitRefusingEngine:
+    """Wraps a FakeEngine; refuses the ``refuse_at``-th submission of each batch."""
+
+    def __init__(self, inner: FakeEngine, refuse_at: int) -> None:
+        self.inner = inner
+        self.session_id = inner.session_id
+        self.refuse_at = refuse_at
+        self.submitted = 0
+        self.peak_pending = 0
+
+    def register_memory(self, addr: int, length: int) -> None:
+        self.inner.register_memory(addr, length)
+
+    def unregister_memory(self, addr: int) -> None:
+        self.inner.unregister_memory(addr)
+
+    def batch_write(
+        self, peer_session: str, src: AddressList, dst: AddressList, lengths: AddressList
+    ) -> None:
+        self.inner.batch_write(peer_session, src, dst, lengths)
+
+    def submit_write(self, peer_session: str, src: int, dst: int, length: int) -> WriteTicket:
+        self.submitted += 1
+        if self.submitted == self.refuse_at:
+            raise TransferError(peer_session, -9, "refused at submission")
+        ticket = self.inner.submit_write(peer_session, src, dst, length)
+        self.peak_pending = max(self.peak_pending, self.inner.pending_writes)
+        return ticket
+
+    def check_write(self, ticket: WriteTicket) -> bool:
+        return self.inner.check_write(ticket)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+async def test_a_refused_submission_waits_for_the_copies_already_in_flight() -> None:
+    a, b, src, dst = _pair(latency=0.05)
+    engine = _SubmitRefusingEngine(a, refuse_at=2)
+    runner = EngineRunner(engine)
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    await _warm(runner, b.session_id, s, d)
+    dst[:] = 0
+    with pytest.raises(TransferError) as err:
+        await runner.batch_write(b.session_id, [s, s + 8, s + 16], [d, d + 8, d + 16], [8] * 3)
+    assert err.value.code == -9
+    assert bytes(dst[:8]) == bytes(src[:8]), "the first copy was in flight and completed"
+    assert not dst[8:].any(), "nothing after the refused copy was submitted"
+    assert a.pending_writes == 0
+
+
+async def test_the_limiter_bounds_polled_writes_too() -> None:
+    a, b, src, dst = _pair(latency=0.02)
+    engine = _SubmitRefusingEngine(a, refuse_at=-1)
+    runner = EngineRunner(engine, limiter=trio.CapacityLimiter(1))
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    await _warm(runner, b.session_id, s, d)
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(runner.batch_write, b.session_id, [s + i], [d + i], [1])
+    assert runner.polled_writes == 4
+    assert engine.peak_pending == 1
+    assert bytes(dst[:4]) == bytes(src[:4])

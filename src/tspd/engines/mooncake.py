@@ -17,17 +17,28 @@ over 2,048 pages. :meth:`MooncakeEngine.batch_write` splits a batch into calls o
 most ``max_descriptors`` (default :data:`DEFAULT_MAX_DESCRIPTORS`, half the limit),
 made one after another, so a batch of any size succeeds on Mooncake's default
 settings.
+
+Non-blocking writes (:class:`tspd.engines.base.PollingEngine`):
+:meth:`MooncakeEngine.submit_write` is Mooncake's ``transfer_submit_write`` (one
+descriptor per call: ``transfer_check_status`` looks at the first task of a batch
+only) and :meth:`MooncakeEngine.check_write` its ``transfer_check_status``. The
+sync calls time a write out themselves after ``MC_TRANSFER_TIMEOUT`` plus 1 ns per
+byte; the status check does not, so :meth:`check_write` applies the same bound.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
+from collections.abc import Mapping
 from typing import Any, Final, cast, final
 
 from tspd.engines.base import (
     AddressList,
     EngineUnavailable,
     TransferError,
+    WriteTicket,
     as_address_list,
 )
 
@@ -36,6 +47,7 @@ __all__ = [
     "INIT_FAILED",
     "MooncakeEngine",
     "load_mooncake",
+    "transfer_timeout",
 ]
 
 logger = logging.getLogger("tspd.engines.mooncake")
@@ -58,6 +70,31 @@ _INSTALL_HINT: Final = (
     "`apt-get install -y --no-install-recommends libibverbs1`; GPU/RDMA hosts "
     "`pip install 'tspd[mooncake-gpu]'` (mooncake-transfer-engine)."
 )
+
+
+_NO_BATCH: Final = frozenset({0, -1, (1 << 64) - 1})
+"""What ``transfer_submit_write`` returns when it could not start a write (the
+binding's ``-1`` is an unsigned batch id; some builds return 0)."""
+
+_CHECK_DONE: Final = 1
+_CHECK_PENDING: Final = 0
+
+
+def transfer_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """Mooncake's transfer timeout in seconds: ``MC_TRANSFER_TIMEOUT`` read the way
+    the engine reads it (leading digits, at least 5 s), 30 s when unset."""
+    env = os.environ if environ is None else environ
+    raw = env.get("MC_TRANSFER_TIMEOUT")
+    if raw is None:
+        return 30.0
+    digits = raw.strip()
+    sign = -1 if digits.startswith("-") else 1
+    digits = digits.lstrip("+-")
+    end = 0
+    while end < len(digits) and digits[end].isdigit():
+        end += 1
+    value = sign * int(digits[:end]) if end else 0
+    return float(max(5, value))
 
 
 def load_mooncake() -> type[Any]:
@@ -123,6 +160,7 @@ class MooncakeEngine:
         self._max_descriptors = max_descriptors
         self._session_id = f"{host}:{engine.get_rpc_port()}"
         self._regions: set[int] = set()
+        self._timeout = transfer_timeout()
         if not hasattr(engine, "batch_transfer_sync_write"):
             raise EngineUnavailable(_BATCH_MISSING)
 
@@ -206,6 +244,58 @@ class MooncakeEngine:
                     "unreachable or hung (MC_TRANSFER_TIMEOUT), or a destination lies "
                     "outside its registered memory",
                 )
+
+    def submit_write(self, peer_session: str, src: int, dst: int, length: int) -> WriteTicket:
+        """Start one write without waiting (``transfer_submit_write``); a refusal
+        raises :class:`TransferError` and leaves nothing in flight. The first write
+        to a peer blocks while Mooncake opens its segment (a handshake)."""
+        engine = self._live(peer_session)
+        try:
+            batch = engine.transfer_submit_write(peer_session, src, dst, length)
+        except Exception as err:  # the binding raises on bad arguments
+            raise TransferError(
+                peer_session, -1, f"Mooncake raised {type(err).__name__}: {err}"
+            ) from err
+        if batch in _NO_BATCH:
+            raise TransferError(
+                peer_session,
+                -1,
+                f"Mooncake could not start a write of {length} bytes to {dst:#x}; the peer "
+                "may be down or unreachable",
+            )
+        return WriteTicket(peer_session, int(batch), length, time.monotonic())
+
+    def check_write(self, ticket: WriteTicket) -> bool:
+        """``transfer_check_status`` of a submitted write: ``True`` done, ``False`` in
+        flight; a failure, Mooncake's timeout status, or a write in flight longer than
+        ``MC_TRANSFER_TIMEOUT`` plus 1 ns per byte raises :class:`TransferError`."""
+        peer = ticket.peer_session
+        engine = self._live(peer)
+        try:
+            rc = engine.transfer_check_status(ticket.token)
+        except Exception as err:
+            raise TransferError(peer, -1, f"Mooncake raised {type(err).__name__}: {err}") from err
+        if rc == _CHECK_DONE:
+            return True
+        if rc == _CHECK_PENDING:
+            elapsed = time.monotonic() - ticket.submitted_at
+            if elapsed <= self._timeout + ticket.length * 1e-9:
+                return False
+            raise TransferError(
+                peer,
+                -2,
+                f"Mooncake write of {ticket.length} bytes still unfinished after "
+                f"{elapsed:.1f}s (MC_TRANSFER_TIMEOUT {self._timeout:g}s); the peer may be "
+                "hung",
+            )
+        what = "timed out" if rc == -2 else "failed"
+        raise TransferError(
+            peer,
+            int(rc),
+            f"Mooncake write of {ticket.length} bytes {what}; the peer may be down, "
+            "unreachable or hung (MC_TRANSFER_TIMEOUT), or the destination lies outside "
+            "its registered memory",
+        )
 
     def close(self) -> None:
         """Unregister what this engine registered and drop the Mooncake engine;

@@ -10,6 +10,12 @@ transport does not check the source; the fake is stricter on purpose so planner
 bugs surface in tests). Failures raise :class:`TransferError` with Mooncake's
 codes (``-1`` for a failed write, ``-3`` unknown region, ``-7`` overlap).
 
+It also offers the non-blocking pair of :class:`tspd.engines.base.PollingEngine`:
+:meth:`FakeEngine.submit_write` starts a write and :meth:`FakeEngine.check_write`
+completes it — copying, or raising the write's error — at the first check once
+its latency (or injected stall) has passed on the engine's ``clock``; with no
+latency the first check completes it.
+
 :class:`AsyncFakeEngine` wraps a :class:`FakeEngine` with an ``async batch_write``
 whose latency and hangs are ``trio.sleep`` calls, so tests under
 ``trio.testing.MockClock(autojump_threshold=0)`` run in virtual time without
@@ -28,7 +34,7 @@ from typing import final
 
 import trio
 
-from tspd.engines.base import AddressList, TransferError, as_address_list
+from tspd.engines.base import AddressList, TransferError, WriteTicket, as_address_list
 
 __all__ = [
     "DEFAULT_FABRIC",
@@ -62,6 +68,16 @@ class _Fault:
     fail_code: int = _FAILED
     hang_writes: int = 0
     hang_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Submitted:
+    """A write started with :meth:`FakeEngine.submit_write`."""
+
+    ready_at: float
+    src: int
+    dst: int
+    fault: tuple[float, int] | None
 
 
 @final
@@ -109,7 +125,7 @@ class FakeEngine:
 
     ``sleep`` is what a hang or latency calls (``time.sleep`` by default); a write
     with latency runs the sleep before copying, so tests can observe a transfer in
-    flight.
+    flight. ``clock`` times the non-blocking writes (``time.monotonic`` by default).
     """
 
     def __init__(
@@ -119,12 +135,16 @@ class FakeEngine:
         fabric: FakeFabric | None = None,
         latency: float = 0.0,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._fabric = DEFAULT_FABRIC if fabric is None else fabric
         self._lock = threading.Lock()
         self._regions: dict[int, int] = {}
         self._faults: dict[str, _Fault] = {}
         self._sleep = sleep
+        self._clock = clock
+        self._submitted: dict[int, _Submitted] = {}
+        self._tokens = itertools.count(1)
         self.latency = latency
         self.stats = FakeEngineStats()
         self._closed = False
@@ -223,6 +243,41 @@ class FakeEngine:
         if stall > 0:
             self._sleep(stall)
         self._write_now(peer_session, src, dst, lengths, fault)
+
+    def submit_write(self, peer_session: str, src: int, dst: int, length: int) -> WriteTicket:
+        """Start one write (see the module docstring); a closed engine refuses."""
+        if self._closed:
+            raise TransferError(peer_session, _FAILED, f"engine {self._session_id} is closed")
+        fault = self._take_fault(peer_session)
+        stall = self.latency if fault is None else max(fault[0], self.latency)
+        now = self._clock()
+        with self._lock:
+            token = next(self._tokens)
+            self._submitted[token] = _Submitted(now + stall, src, dst, fault)
+        return WriteTicket(peer_session, token, length, now)
+
+    def check_write(self, ticket: WriteTicket) -> bool:
+        """``False`` until the write's latency passed; then copy (``True``) or raise
+        its :class:`TransferError`. A ticket this engine does not hold raises."""
+        with self._lock:
+            pending = self._submitted.get(ticket.token)
+            if pending is None:
+                raise TransferError(
+                    ticket.peer_session, _FAILED, f"no write in flight with token {ticket.token}"
+                )
+            if self._clock() < pending.ready_at:
+                return False
+            del self._submitted[ticket.token]
+        self._write_now(
+            ticket.peer_session, [pending.src], [pending.dst], [ticket.length], pending.fault
+        )
+        return True
+
+    @property
+    def pending_writes(self) -> int:
+        """Writes submitted and not yet completed by a check."""
+        with self._lock:
+            return len(self._submitted)
 
     def _write_now(
         self,
