@@ -272,6 +272,11 @@ def _role_command(role: str) -> click.Command:
         default=None,
         help="Serve this rank's /metrics and /traces on this port (0: any free port).",
     )
+    @click.option(
+        "--hold-reports",
+        is_flag=True,
+        help="Write the per-room report lines at the end, not as rooms go (benchmarks).",
+    )
     @click.option("-v", "--verbose", is_flag=True, help="Log at INFO on stderr.")
     def command(
         rank: int,
@@ -282,6 +287,7 @@ def _role_command(role: str) -> click.Command:
         heartbeat_interval: float,
         never_preallocate: bool,
         metrics_port: int | None,
+        hold_reports: bool,
         verbose: bool,
         **kw: Any,
     ) -> None:
@@ -303,11 +309,13 @@ def _role_command(role: str) -> click.Command:
             never_preallocate=never_preallocate,
             metrics_port=metrics_port,
         )
-        reporter = Reporter(role, rank)
+        reporter = Reporter(role, rank, hold=hold_reports)
         try:
             failed = trio.run(runner, options, reporter)
         except TspdError as err:
             raise click.ClickException(str(err)) from None
+        finally:
+            reporter.flush()
         sys.exit(1 if failed else 0)
 
     command.help = f"Run one {role.capitalize()} rank of the demo in this process."
