@@ -29,6 +29,7 @@ from tspd.core.kv_events import (
     encode_seq,
     from_scheduler_event,
     from_scheduler_events,
+    split_pub_frames,
 )
 
 U64 = (1 << 64) - 1
@@ -322,6 +323,9 @@ def test_pub_frames_round_trip_and_reject_bad_shapes() -> None:
     frames = encode_pub_frames(b"kv", 258, b"payload")
     assert frames == [b"kv", b"\x00\x00\x00\x00\x00\x00\x01\x02", b"payload"]
     message = decode_pub_frames(frames)
+    assert split_pub_frames(frames) == (258, b"payload")
+    with pytest.raises(WireError, match="8 bytes"):
+        split_pub_frames([b"kv", b"\x00" * 9, b""])
     assert (message.topic, message.seq, message.payload) == (b"kv", 258, b"payload")
     with pytest.raises(WireError, match="3 frames"):
         decode_pub_frames([b"kv", b"\x00" * 8])

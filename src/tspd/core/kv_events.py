@@ -55,6 +55,7 @@ __all__ = [
     "encode_seq",
     "from_scheduler_event",
     "from_scheduler_events",
+    "split_pub_frames",
 ]
 
 _U64_MAX: Final = (1 << 64) - 1
@@ -525,11 +526,18 @@ def encode_pub_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
 def decode_pub_frames(frames: Sequence[bytes]) -> PubMessage:
     """Split a live message; raises :class:`WireError` unless it has exactly 3 frames
     and an 8-byte sequence number (the payload is decoded separately)."""
+    seq, payload = split_pub_frames(frames)
+    return PubMessage(bytes(frames[0]), seq, payload)
+
+
+def split_pub_frames(frames: Sequence[bytes]) -> tuple[int, bytes]:
+    """``(seq, payload)`` of a live message, checked as :func:`decode_pub_frames`
+    checks it, without building a :class:`PubMessage` (the subscriber's hot path)."""
     if len(frames) != 3:
         raise WireError(
             f"KV event message must have 3 frames [topic, seq, payload], got {len(frames)}"
         )
-    topic, seq, payload = frames
+    _topic, seq, payload = frames
     if len(seq) != 8:
         raise WireError(f"KV event sequence number must be 8 bytes, got {len(seq)}")
-    return PubMessage(bytes(topic), int.from_bytes(seq, "big"), bytes(payload))
+    return int.from_bytes(seq, "big"), bytes(payload)

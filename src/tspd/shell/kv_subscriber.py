@@ -36,7 +36,7 @@ import zmq
 
 from tspd.core.errors import ConfigError, WireError
 from tspd.core.kv_config import offset_endpoint_port
-from tspd.core.kv_events import KVEventBatch, decode_batch, decode_pub_frames
+from tspd.core.kv_events import KVEventBatch, decode_batch, split_pub_frames
 from tspd.core.replay import decode_replay_reply, encode_replay_request
 from tspd.core.seqtrack import (
     Deliver,
@@ -234,13 +234,14 @@ class _SourceFeed:
         while True:
             messages = await self.sub.recv_batch(_RECV_BATCH, _RECV_BYTES)
             now = trio.current_time()
+            live = self.tracker.live
             for frames in messages:
                 try:
-                    message = decode_pub_frames(frames)
+                    seq, payload = split_pub_frames(frames)
                 except WireError as exc:
                     log.warning("malformed KV event message from %s ignored: %s", self.label, exc)
                     continue
-                self.tracker.live(message.seq, message.payload, now)
+                live(seq, payload, now)
             await self._apply()
 
     async def _replay_loop(self, dealer: TrioSocket) -> None:
