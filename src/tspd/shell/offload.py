@@ -44,6 +44,7 @@ never outlives the wait by more than that.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -275,6 +276,11 @@ async def _await_tickets(
             return error
         pending = still
         if time.perf_counter() < fast_until:
+            # Give the CPU to the engine's own threads if they wait for it: this
+            # loop never blocks, and on a small host a spinning Trio thread kept
+            # Mooncake's I/O thread waiting (measured p90 of a polled 4 KiB write
+            # ~1.6 ms without, ~0.1 ms with).
+            os.sched_yield()
             await trio.lowlevel.cancel_shielded_checkpoint()
         else:
             with trio.CancelScope(shield=True):
