@@ -16,6 +16,9 @@ ROWS = [
     "whole copy TP1→1: plan + coalesce",
     "fragments TP1→2: plan_copies",
     "fragments TP1→2: plan + coalesce",
+    "hand_over plan, 1 page",
+    "hand_over plan, 8 pages",
+    "hand_over plan, 1,000 pages",
 ]
 
 
@@ -43,6 +46,12 @@ def test_rows_and_descriptor_counts() -> None:
     assert fragments is not None
     assert fragments == 16 * whole  # a TP1→TP2 page is copied row by row (16 rows)
     assert all(r.micros >= 0 for r in rows)
+    # Scattered pages: at most one descriptor a page after coalescing, at least one.
+    for pages in (1, 8, 1000):
+        label = f"hand_over plan, {pages:,} page{'s' if pages > 1 else ''}"
+        descriptors = by_name[label].descriptors
+        assert descriptors is not None
+        assert 1 <= descriptors <= pages
 
 
 def test_measure_calls_the_function_and_returns_seconds_per_call() -> None:

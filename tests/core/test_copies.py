@@ -28,6 +28,7 @@ from tspd.core.contract import (
 )
 from tspd.core.copies import (
     DEFAULT_MAX_DESCRIPTORS,
+    SMALL_PLAN_COPIES,
     CopyPlan,
     batches,
     check_bounds,
@@ -116,6 +117,10 @@ def manifest(**groups: Sequence[int]) -> BlockManifest:
 
 
 WHOLE = PlannedRegistration((), {}, False, frozenset({0}))
+
+#: ``small_limit`` values that force the numpy path and the plain-Python path.
+NUMPY_PATH, PYTHON_PATH = 0, 1 << 30
+PATHS = (NUMPY_PATH, PYTHON_PATH)
 
 
 def copies(**kwargs: object) -> list[tuple[int, int, int]]:
@@ -429,9 +434,13 @@ def plan_error(**overrides: object) -> str:
         "registration": WHOLE,
     }
     kw.update(overrides)
-    with pytest.raises(PlanError) as caught:
-        plan_copies(**kw)  # type: ignore[arg-type]
-    return str(caught.value)
+    messages = []
+    for small_limit in PATHS:
+        with pytest.raises(PlanError) as caught:
+            plan_steps(**kw, steps=(None,), small_limit=small_limit)  # type: ignore[arg-type]
+        messages.append(str(caught.value))
+    assert len(set(messages)) == 1, messages  # the Python and numpy paths agree
+    return messages[0]
 
 
 def test_planning_errors() -> None:
@@ -595,15 +604,27 @@ class Scenario:
             decode_contract=self.decode,
         )
 
-    def plan(self, planned: PlannedRegistration) -> CopyPlan:
-        return plan_copies(
-            src_contract=self.prefill,
-            src_base=self.src_base,
-            dst_contract=self.decode,
-            dst_base=self.dst_base,
-            dst_manifest=self.dst_manifest,
-            source=self.source,
-            registration=planned,
+    def plan(
+        self,
+        planned: PlannedRegistration,
+        *,
+        small_limit: int = SMALL_PLAN_COPIES,
+        steps: Sequence[frozenset[str] | None] = (None,),
+        coalesced: bool = False,
+    ) -> CopyPlan:
+        return CopyPlan.concat(
+            plan_steps(
+                src_contract=self.prefill,
+                src_base=self.src_base,
+                dst_contract=self.decode,
+                dst_base=self.dst_base,
+                dst_manifest=self.dst_manifest,
+                source=self.source,
+                registration=planned,
+                steps=steps,
+                coalesced=coalesced,
+                small_limit=small_limit,
+            )
         )
 
     def reference(self, planned: PlannedRegistration) -> list[tuple[int, int, int]]:
@@ -698,9 +719,10 @@ def test_plans_match_the_reference_and_stay_inside_both_arenas(case: Scenario) -
     for d in range(case.d_tp):
         for p in planner.plan(d).target_prefill_ranks:
             planned = case.registration(p, d)
-            plan = case.plan(planned)
             expected = case.reference(planned)
-            assert list(plan) == expected
+            for small_limit in PATHS:
+                assert list(case.plan(planned, small_limit=small_limit)) == expected
+            plan = case.plan(planned)
             assert inside(plan, case.src_base, case.prefill.arena_bytes, "src")
             assert inside(plan, case.dst_base, case.decode.arena_bytes, "dst")
             assert (plan.length > 0).all()
@@ -711,6 +733,125 @@ def test_plans_match_the_reference_and_stay_inside_both_arenas(case: Scenario) -
             want = apply(expected, src, case.src_base, case.decode.arena_bytes, case.dst_base)
             got = apply(merged, src, case.src_base, case.decode.arena_bytes, case.dst_base)
             assert got == want
+
+
+@given(scenarios(), st.lists(st.sets(st.sampled_from([K, LATENT, CONV])), max_size=3))
+def test_python_and_numpy_paths_plan_identically(
+    case: Scenario, field_sets: list[set[str]]
+) -> None:
+    """Below and above the size threshold the same inputs give the same plans, step
+    by step, coalesced or not: same copies, same order, int64 arrays both ways."""
+    steps: list[frozenset[str] | None] = [None, *(frozenset(f) for f in field_sets)]
+    planner = RoutePlanner(case.p_tp, case.d_tp, case.prefill, case.decode)
+    for d in range(case.d_tp):
+        for p in planner.plan(d).target_prefill_ranks:
+            planned = case.registration(p, d)
+            for coalesced in (False, True):
+                by_path = [
+                    plan_steps(
+                        src_contract=case.prefill,
+                        src_base=case.src_base,
+                        dst_contract=case.decode,
+                        dst_base=case.dst_base,
+                        dst_manifest=case.dst_manifest,
+                        source=case.source,
+                        registration=planned,
+                        steps=steps,
+                        coalesced=coalesced,
+                        small_limit=small_limit,
+                    )
+                    for small_limit in PATHS
+                ]
+                numpy_plans, python_plans = by_path
+                assert len(numpy_plans) == len(python_plans) == len(steps)
+                for a, b in zip(numpy_plans, python_plans, strict=True):
+                    assert a == b
+                    assert b.src.dtype == b.dst.dtype == b.length.dtype == np.int64
+                    if coalesced:
+                        assert a == coalesce(a)
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["full", "swa"]),
+        st.lists(st.integers(-2, 11), max_size=4),
+        min_size=2,
+    ),
+    st.dictionaries(
+        st.sampled_from(["full", "swa"]),
+        st.lists(st.integers(-2, 11), max_size=4),
+        min_size=2,
+    ),
+    st.integers(-1, 3),
+    st.sampled_from(["whole", "fragment", "owner", "absent-owner"]),
+)
+def test_python_and_numpy_paths_fail_alike(
+    dst_ids: dict[str, list[int]],
+    src_ids: dict[str, list[int]],
+    shift: int,
+    route: str,
+) -> None:
+    """Valid or not, the two paths give the same plan or the same error."""
+    c = two_groups()
+    fragment = Fragment("swa", "layer.1.w", shift, 0, 6, 6, 6 - abs(shift), 1)
+    registration = {
+        "whole": WHOLE,
+        "fragment": PlannedRegistration((fragment,), {}, False, frozenset({0})),
+        "owner": PlannedRegistration((fragment,), {"swa": OwnerFilter(1, 2)}, False, frozenset()),
+        "absent-owner": PlannedRegistration((fragment,), {"swa": None}, False, frozenset()),
+    }[route]
+    outcomes = []
+    for small_limit in PATHS:
+        try:
+            outcomes.append(
+                plan_steps(
+                    src_contract=c,
+                    src_base=0,
+                    dst_contract=c,
+                    dst_base=0x4000,
+                    dst_manifest=manifest(**dst_ids),
+                    source=manifest(**src_ids),
+                    registration=registration,
+                    steps=(None, frozenset({"layer.1.w"})),
+                    coalesced=True,
+                    small_limit=small_limit,
+                )
+            )
+        except PlanError as err:
+            outcomes.append(str(err))  # type: ignore[arg-type]
+    assert outcomes[0] == outcomes[1]
+
+
+def test_the_threshold_counts_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan of more than ``small_limit`` copies goes through numpy; the result is
+    the same either way."""
+    import tspd.core.copies as copies_module
+
+    python_built: list[bool] = []
+    small_plans = copies_module._small_plans
+
+    def spy(**kwargs: object) -> object:
+        result = small_plans(**kwargs)  # type: ignore[arg-type]
+        python_built.append(result is not None)
+        return result
+
+    monkeypatch.setattr(copies_module, "_small_plans", spy)
+    c = two_groups()
+    kw: dict[str, object] = {
+        "src_contract": c,
+        "src_base": 0,
+        "dst_contract": c,
+        "dst_base": 0x100000,
+        "dst_manifest": manifest(full=[3, 4], swa=[5]),
+        "source": manifest(full=[1, 2], swa=[7]),
+        "registration": WHOLE,
+        "steps": (None,),
+    }
+    plans = [plan_steps(**kw, small_limit=limit) for limit in (4, 5, 6, 0)]  # type: ignore[arg-type]
+    assert all(plan == plans[0] for plan in plans)
+    assert len(plans[0][0]) == 5  # two fields x two pages, one field x one page
+    # 4: five copies exceed it; 5 and 6: they fit; 0: the Python path is not tried.
+    assert python_built == [False, True, True]
 
 
 @given(scenarios())

@@ -8,13 +8,18 @@ Measured, with ``time.perf_counter`` loops after a warmup (best of a few rounds)
   whole-copy route and a heterogeneous-TP fragment route (Prefill TP1 → Decode
   TP2, so every page is copied row by row), each without and with ``coalesce``,
   with the number of descriptors an engine would be handed before and after
-  coalescing.
+  coalescing;
+* one hand-over's plan (:func:`~tspd.core.copies.plan_steps`, coalesced, as
+  ``PrefillCore.hand_over`` calls it) for rooms of 1, 8 and 1,000 scattered 4 KiB
+  pages of a one-field contract (the ``tspd bench pd`` layout): small rooms take
+  the plain-Python path, big ones numpy.
 
 Figures only; nothing here asserts a speed.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tspd.core.contract import CacheContract
-from tspd.core.copies import CopyPlan, coalesce, plan_copies
+from tspd.core.copies import CopyPlan, coalesce, plan_copies, plan_steps
 from tspd.core.interop import bootstrap_token_and_candidates
 from tspd.core.planner import PlannedRegistration, plan_registration
 from tspd.core.poll import TransferPoll
@@ -35,7 +40,7 @@ from tspd.core.wire import (
     encode_preallocation,
     encode_status,
 )
-from tspd.testing.layouts import multi_layer_contract, room_manifest
+from tspd.testing.layouts import multi_layer_contract, room_manifest, simple_contract
 
 __all__ = ["Row", "Sizes", "core", "measure", "run_core_benchmarks"]
 
@@ -44,6 +49,9 @@ _HEADS = 8
 _HEAD_DIM = 128
 _SRC_BASE = 0x7F00_0000_0000
 _DST_BASE = 0x7E00_0000_0000
+#: Room sizes, in pages, of the hand-over plan rows.
+HAND_OVER_PAGES = (1, 8, 1000)
+_HAND_OVER_PAGE_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +157,38 @@ def _plan_rows(
     ]
 
 
+def _hand_over_row(pages: int, sizes: Sizes) -> Row:
+    """One room's coalesced plan the way ``PrefillCore.hand_over`` builds it."""
+    contract = simple_contract(num_pages=2 * pages + 8, page_bytes=_HAND_OVER_PAGE_BYTES)
+    prompt_len = pages * 16
+    src_manifest = room_manifest(contract, prompt_len, rng=random.Random(1), contiguous=False)
+    dst_manifest = room_manifest(contract, prompt_len, rng=random.Random(2), contiguous=False)
+    registration = plan_registration(
+        prefill_tp=1,
+        prefill_rank=0,
+        prefill_contract=contract,
+        decode_tp=1,
+        decode_rank=0,
+        decode_contract=contract,
+    )
+
+    def plan() -> tuple[CopyPlan, ...]:
+        return plan_steps(
+            src_contract=contract,
+            src_base=_SRC_BASE,
+            dst_contract=contract,
+            dst_base=_DST_BASE,
+            dst_manifest=dst_manifest,
+            source=src_manifest,
+            registration=registration,
+            steps=(None,),
+            coalesced=True,
+        )
+
+    label = f"hand_over plan, {pages:,} page{'s' if pages > 1 else ''}"
+    return Row(label, _micros(plan, sizes), "room", len(plan()[0]))
+
+
 def run_core_benchmarks(sizes: Sizes) -> tuple[list[Row], str]:
     """Measure every row; also return a caption describing the workload."""
     rows: list[Row] = []
@@ -218,11 +258,13 @@ def run_core_benchmarks(sizes: Sizes) -> tuple[list[Row], str]:
     )
     rows.extend(_plan_rows("whole copy TP1→1", sizes, decode_tp1, decode_tp1, whole()))
     rows.extend(_plan_rows("fragments TP1→2", sizes, decode_tp1, decode_tp2, fragmented()))
+    rows.extend(_hand_over_row(pages, sizes) for pages in HAND_OVER_PAGES)
 
     caption = (
         f"{sizes.layers} layers × K,V ({2 * sizes.layers} fields), {_HEADS} KV heads × "
         f"{_HEAD_DIM}, {_PAGE_TOKENS} tokens a page; room of {sizes.pages} pages; "
-        f"manifest {len(frames[2]):,} bytes; contiguous pages"
+        f"manifest {len(frames[2]):,} bytes; contiguous pages (hand_over rows: one "
+        f"{_HAND_OVER_PAGE_BYTES // 1024} KiB field, scattered pages)"
     )
     return rows, caption
 

@@ -60,7 +60,7 @@ from tspd.core.commands import (
     TransferInterval,
 )
 from tspd.core.contract import CacheContract
-from tspd.core.copies import coalesce, plan_steps
+from tspd.core.copies import plan_steps
 from tspd.core.errors import ConfigError, PlanError, ProtocolError, TspdError
 from tspd.core.machines import PREFILL_ROOM_TABLE, PrefillTrigger, RoomState
 from tspd.core.manifest import (
@@ -867,12 +867,10 @@ class PrefillCore:
                 source=source,
                 registration=registered.planned,
                 steps=steps,
+                coalesced=True,
             )
             per_destination.append(
-                [
-                    DestinationWrite(session_id, reg.endpoint, reg.port, coalesce(plan))
-                    for plan in plans
-                ]
+                [DestinationWrite(session_id, reg.endpoint, reg.port, plan) for plan in plans]
             )
         return [tuple(writes[step] for writes in per_destination) for step in range(len(steps))]
 
