@@ -38,6 +38,7 @@ from tspd.engines.mooncake import (
     transfer_timeout,
 )
 from tspd.shell.offload import EngineRunner
+from tspd.testing.procs import stop_process
 
 pytestmark = pytest.mark.mooncake
 
@@ -254,7 +255,7 @@ def test_hung_peer_fails_after_the_transfer_timeout(local: Local, dying_peer: Pe
     test configuration) instead of hanging, and works again once resumed."""
     peer = dying_peer
     local.engine.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
-    os.kill(peer.proc.pid, signal.SIGSTOP)
+    stop_process(peer.proc.pid)
     try:
         with pytest.raises(TransferError):
             local.engine.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
@@ -375,7 +376,7 @@ async def test_runner_polled_write_to_a_hung_peer_fails_after_the_timeout(
     assert transfer_timeout() == 5.0
     runner = EngineRunner(local.engine)
     await runner.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
-    os.kill(peer.proc.pid, signal.SIGSTOP)
+    stop_process(peer.proc.pid)
     try:
         started = trio.current_time()
         with trio.move_on_after(0.1) as scope, pytest.raises(TransferError) as err:

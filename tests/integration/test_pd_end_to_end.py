@@ -45,6 +45,7 @@ from tspd.shell.prefill import (
     open_prefill_peer,
 )
 from tspd.testing.layouts import PageAllocator
+from tspd.testing.procs import stop_process
 
 pytest.importorskip("mooncake.engine")
 from tspd.engines.mooncake import MooncakeEngine
@@ -373,7 +374,7 @@ async def test_write_to_a_hung_decode_is_bounded_by_the_transfer_timeout(
             await decode.wait("preallocated", room=401)
 
             async def stop_decode() -> None:
-                decode.role.process.send_signal(signal.SIGSTOP)
+                stop_process(decode.role.process.pid)
 
             started = trio.current_time()
             event = await prefill_room(peer, workload, 401, before_hand_over=stop_decode)
