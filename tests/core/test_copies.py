@@ -498,6 +498,14 @@ def test_copy_plan_basics() -> None:
         CopyPlan(plan.src.astype(np.int32), plan.dst, plan.length)
 
 
+@pytest.mark.parametrize("n", [0, 1, 64, 65, 1000])
+def test_total_bytes_short_and_long_plans(n: int) -> None:
+    lengths = [(i % 7 + 1) * (1 << 40) for i in range(n)]  # sums beyond int32
+    plan = CopyPlan.from_copies([(i, i, length) for i, length in enumerate(lengths)])
+    assert plan.total_bytes == sum(lengths)
+    assert type(plan.total_bytes) is int
+
+
 def test_coalesce_merges_only_neighbours_adjacent_on_both_sides() -> None:
     plan = CopyPlan.from_copies(
         [
@@ -766,7 +774,11 @@ def test_python_and_numpy_paths_plan_identically(
                 assert len(numpy_plans) == len(python_plans) == len(steps)
                 for a, b in zip(numpy_plans, python_plans, strict=True):
                     assert a == b
-                    assert b.src.dtype == b.dst.dtype == b.length.dtype == np.int64
+                    assert a.total_bytes == b.total_bytes
+                    for column in (b.src, b.dst, b.length):
+                        assert column.dtype == np.int64
+                        assert column.ndim == 1
+                        assert not column.flags.writeable
                     if coalesced:
                         assert a == coalesce(a)
 

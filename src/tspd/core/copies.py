@@ -70,6 +70,9 @@ SMALL_PLAN_COPIES = 32
 
 Int64Array = npt.NDArray[np.int64]
 
+#: Plans up to this many copies sum their lengths in Python (:attr:`CopyPlan.total_bytes`).
+_SHORT_SUM = 64
+
 _EMPTY: Int64Array = np.zeros(0, dtype=np.int64)
 _EMPTY.setflags(write=False)
 
@@ -149,7 +152,10 @@ class CopyPlan:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes moved by the whole plan."""
+        """Bytes moved by the whole plan (a Python sum for short plans, where a numpy
+        reduction's fixed cost dominates)."""
+        if len(self.length) <= _SHORT_SUM:
+            return sum(self.length.tolist())
         return int(self.length.sum())
 
     def tolist(self) -> tuple[list[int], list[int], list[int]]:
@@ -577,37 +583,58 @@ def _small_plans(
         length: list[int] = []
         for srcs, dsts, lanes in per_group:
             for s0, sp, d0, dp, rows, srs, drs, n in lanes:
-                if n <= 0:
+                if rows > 1:
+                    ss = [s0 + p * sp + r * srs for p in srcs for r in range(rows)]
+                    ds = [d0 + p * dp + r * drs for p in dsts for r in range(rows)]
+                else:
+                    ss = [s0 + p * sp for p in srcs]
+                    ds = [d0 + p * dp for p in dsts]
+                if (
+                    n <= 0
+                    or min(ss) < src_base
+                    or max(ss) > src_end - n
+                    or min(ds) < dst_base
+                    or max(ds) > dst_end - n
+                ):
                     return None
-                row_offsets = [(r * srs, r * drs) for r in range(rows)] if rows > 1 else [(0, 0)]
-                for page_s, page_d in zip(srcs, dsts, strict=True):
-                    s_page, d_page = s0 + page_s * sp, d0 + page_d * dp
-                    for ro_s, ro_d in row_offsets:
-                        s, d = s_page + ro_s, d_page + ro_d
-                        if s < src_base or s + n > src_end or d < dst_base or d + n > dst_end:
-                            return None
-                        if (
-                            coalesced
-                            and length
-                            and src[-1] + length[-1] == s
-                            and dst[-1] + length[-1] == d
-                        ):
-                            length[-1] += n
-                        else:
-                            src.append(s)
-                            dst.append(d)
-                            length.append(n)
-        if not length:
-            plans.append(CopyPlan.empty())
-        else:
-            plans.append(
-                CopyPlan(
-                    np.array(src, dtype=np.int64),
-                    np.array(dst, dtype=np.int64),
-                    np.array(length, dtype=np.int64),
-                )
-            )
+                src += ss
+                dst += ds
+                length += [n] * len(ss)
+        if coalesced and len(length) > 1:
+            src, dst, length = _coalesce_lists(src, dst, length)
+        plans.append(_plan_of_lists(src, dst, length))
     return tuple(plans)
+
+
+def _coalesce_lists(
+    src: list[int], dst: list[int], length: list[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """:func:`coalesce` over Python lists: a copy continuing the previous run on both
+    sides extends it (the run's end is its start plus the lengths merged so far)."""
+    out_src, out_dst, out_len = [src[0]], [dst[0]], [length[0]]
+    for s, d, n in zip(src[1:], dst[1:], length[1:], strict=True):
+        if out_src[-1] + out_len[-1] == s and out_dst[-1] + out_len[-1] == d:
+            out_len[-1] += n
+        else:
+            out_src.append(s)
+            out_dst.append(d)
+            out_len.append(n)
+    return out_src, out_dst, out_len
+
+
+def _plan_of_lists(src: list[int], dst: list[int], length: list[int]) -> CopyPlan:
+    """A plan of three equal-length lists of int64-range ints, as one read-only 3×n
+    table whose rows the plan holds (one numpy call; the columns are known good, so
+    the constructor's checks are skipped)."""
+    if not length:
+        return CopyPlan.empty()
+    table = np.array((src, dst, length), dtype=np.int64)
+    table.setflags(write=False)
+    plan = object.__new__(CopyPlan)
+    object.__setattr__(plan, "src", table[0])
+    object.__setattr__(plan, "dst", table[1])
+    object.__setattr__(plan, "length", table[2])
+    return plan
 
 
 def plan_steps(
