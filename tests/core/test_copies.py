@@ -36,7 +36,7 @@ from tspd.core.copies import (
     plan_copies,
     plan_steps,
 )
-from tspd.core.errors import PlanError
+from tspd.core.errors import ContractError, PlanError
 from tspd.core.manifest import BlockManifest, ManifestGroup, Selection, SelectionGroup
 from tspd.core.planner import (
     Fragment,
@@ -842,8 +842,8 @@ def test_the_threshold_counts_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     python_built: list[bool] = []
     small_plans = copies_module._small_plans
 
-    def spy(**kwargs: object) -> object:
-        result = small_plans(**kwargs)  # type: ignore[arg-type]
+    def spy(*args: object, **kwargs: object) -> object:
+        result = small_plans(*args, **kwargs)  # type: ignore[arg-type]
         python_built.append(result is not None)
         return result
 
@@ -864,6 +864,57 @@ def test_the_threshold_counts_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(plans[0][0]) == 5  # two fields x two pages, one field x one page
     # 4: five copies exceed it; 5 and 6: they fit; 0: the Python path is not tried.
     assert python_built == [False, True, True]
+
+
+def test_routes_are_kept_per_inputs_and_lanes_fail_where_they_always_did() -> None:
+    """Per-registration facts are derived once per (contracts, bases, registration);
+    a lane that cannot be built is not kept and fails the same on every call and
+    on both paths."""
+    import tspd.core.copies as copies_module
+
+    c = two_groups()
+    first = copies_module._route(c, 0, c, 0x1000, WHOLE)
+    assert copies_module._route(c, 0, c, 0x1000, WHOLE) is first
+    assert copies_module._route(c, 0, c, 0x2000, WHOLE) is not first
+    assert copies_module._route(two_groups(), 0, c, 0x1000, WHOLE) is not first
+    # The destination lacks layer.0.v: every call and both paths name it.
+    dst = layout(
+        {"full": [("layer.0.k", (4, 2), "bfloat16")], "swa": [("layer.1.w", (6,), "uint8")]}
+    )
+    for small_limit in (*PATHS, *PATHS):
+        with pytest.raises(ContractError, match=r"'layer\.0\.v'"):
+            plan_steps(
+                src_contract=c,
+                src_base=0,
+                dst_contract=dst,
+                dst_base=0x100000,
+                dst_manifest=manifest(full=[3], swa=[5]),
+                source=manifest(full=[1], swa=[7]),
+                registration=WHOLE,
+                steps=(None,),
+                small_limit=small_limit,
+            )
+    # Only the swa group's lanes exist, so only they are planned.
+    plans = plan_steps(
+        src_contract=c,
+        src_base=0,
+        dst_contract=dst,
+        dst_base=0x100000,
+        dst_manifest=manifest(full=[3], swa=[5]),
+        source=manifest(full=[1], swa=[7]),
+        registration=WHOLE,
+        steps=(frozenset({"layer.1.w"}),),
+    )
+    assert len(plans[0]) == 1
+
+
+def test_the_route_cache_is_bounded() -> None:
+    import tspd.core.copies as copies_module
+
+    c = two_groups()
+    for base in range(copies_module._MAX_ROUTES + 5):
+        copies_module._route(c, base * 0x1000, c, 0, WHOLE)
+    assert len(copies_module._ROUTES) <= copies_module._MAX_ROUTES
 
 
 @given(scenarios())

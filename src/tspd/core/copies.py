@@ -410,6 +410,87 @@ def _fragments_by_group(fragments: Sequence[Fragment]) -> dict[str, list[Fragmen
     return by_group
 
 
+@dataclass(slots=True, eq=False)
+class _Route:
+    """What one (source contract and base, destination contract and base,
+    registration) always derives, kept across rooms: group order, arena lengths,
+    fragments per group, and each (step fields, group)'s lanes once first asked for
+    (lazily, so a lane that cannot be built fails when and where it always did)."""
+
+    src_contract: CacheContract
+    src_base: int
+    dst_contract: CacheContract
+    dst_base: int
+    registration: PlannedRegistration
+    order: tuple[str, ...]
+    src_len: int
+    dst_len: int
+    by_group: dict[str, list[Fragment]] | None
+    lanes: dict[tuple[frozenset[str] | None, str], tuple[_Lane, ...]]
+
+    def lanes_of(self, group_id: str, fields: frozenset[str] | None) -> tuple[_Lane, ...]:
+        """The lanes of ``group_id`` for a step moving ``fields``."""
+        key = (fields, group_id)
+        found = self.lanes.get(key)
+        if found is None:
+            found = tuple(
+                _lanes(
+                    src_contract=self.src_contract,
+                    src_base=self.src_base,
+                    dst_contract=self.dst_contract,
+                    dst_base=self.dst_base,
+                    group_id=group_id,
+                    by_group=self.by_group,
+                    fields=fields,
+                )
+            )
+            if len(self.lanes) < _MAX_CACHED_LANES:
+                self.lanes[key] = found
+        return found
+
+
+#: Routes kept (a Prefill rank has one per Decode registration; the cache is dropped
+#: whole when full) and (fields, group) lane lists kept per route.
+_MAX_ROUTES = 256
+_MAX_CACHED_LANES = 1024
+_ROUTES: dict[tuple[int, int, int, int, int], _Route] = {}
+
+
+def _route(
+    src_contract: CacheContract,
+    src_base: int,
+    dst_contract: CacheContract,
+    dst_base: int,
+    registration: PlannedRegistration,
+) -> _Route:
+    """The cached :class:`_Route` of these (immutable) inputs. Keyed by identity: an
+    entry holds its objects, so their ids cannot be reused while it lives."""
+    key = (id(src_contract), src_base, id(dst_contract), dst_base, id(registration))
+    route = _ROUTES.get(key)
+    if (
+        route is None
+        or route.src_contract is not src_contract
+        or route.dst_contract is not dst_contract
+        or route.registration is not registration
+    ):
+        route = _Route(
+            src_contract,
+            src_base,
+            dst_contract,
+            dst_base,
+            registration,
+            tuple(src_contract.group_ids),
+            src_contract.arena_bytes,
+            dst_contract.arena_bytes,
+            _fragments_by_group(registration.fragments),
+            {},
+        )
+        if len(_ROUTES) >= _MAX_ROUTES:
+            _ROUTES.clear()
+        _ROUTES[key] = route
+    return route
+
+
 def _field_copies(lane: _Lane, pages: _GroupPages) -> CopyPlan:
     """Page-major, row-minor copies of one lane over a group's pages."""
     src_start, src_page_stride, dst_start, dst_page_stride, rows, srs, drs, bytes_per_row = lane
@@ -423,27 +504,11 @@ def _field_copies(lane: _Lane, pages: _GroupPages) -> CopyPlan:
 
 
 def _step_copies(
-    *,
-    src_contract: CacheContract,
-    src_base: int,
-    dst_contract: CacheContract,
-    dst_base: int,
-    groups: Sequence[_GroupPages],
-    fragments: Sequence[Fragment],
-    fields: frozenset[str] | None,
+    route: _Route, groups: Sequence[_GroupPages], fields: frozenset[str] | None
 ) -> CopyPlan:
     parts: list[CopyPlan] = []
-    by_group = _fragments_by_group(fragments)
     for pages in groups:
-        for lane in _lanes(
-            src_contract=src_contract,
-            src_base=src_base,
-            dst_contract=dst_contract,
-            dst_base=dst_base,
-            group_id=pages.group_id,
-            by_group=by_group,
-            fields=fields,
-        ):
+        for lane in route.lanes_of(pages.group_id, fields):
             parts.append(_field_copies(lane, pages))
     return CopyPlan.concat(parts)
 
@@ -456,6 +521,7 @@ def _int_ids(ids: Sequence[int], limit: int) -> bool:
 
 def _small_pages(
     *,
+    order: tuple[str, ...],
     src_contract: CacheContract,
     dst_contract: CacheContract,
     dst_manifest: BlockManifest,
@@ -467,7 +533,6 @@ def _small_pages(
     """:func:`_group_pages` over Python lists, for rooms of at most ``limit`` source
     block ids: the same pairs, or ``None`` when the room is bigger or anything is
     not plainly valid (the numpy path then plans it, or raises its exact error)."""
-    order = src_contract.group_ids
     dst_groups = {g.group_id: g.block_ids for g in dst_manifest.groups}
     if len(dst_groups) != len(dst_manifest.groups) or tuple(dst_groups) != order:
         return None
@@ -515,14 +580,10 @@ def _small_pages(
 
 
 def _small_plans(
+    route: _Route,
     *,
-    src_contract: CacheContract,
-    src_base: int,
-    dst_contract: CacheContract,
-    dst_base: int,
     dst_manifest: BlockManifest,
     source: BlockManifest | Selection,
-    registration: PlannedRegistration,
     steps: Sequence[frozenset[str] | None],
     coalesced: bool,
     limit: int,
@@ -532,13 +593,15 @@ def _small_plans(
     in the same order, bounds-checked the same way and coalesced alike. ``None``
     when the plan is bigger or anything fails a check; the numpy path then plans
     it or raises its exact error."""
-    src_len = src_contract.arena_bytes
-    dst_len = dst_contract.arena_bytes
+    src_base, src_len = route.src_base, route.src_len
+    dst_base, dst_len = route.dst_base, route.dst_len
     if src_len < 0 or dst_len < 0:
         return None
+    registration = route.registration
     groups = _small_pages(
-        src_contract=src_contract,
-        dst_contract=dst_contract,
+        order=route.order,
+        src_contract=route.src_contract,
+        dst_contract=route.dst_contract,
         dst_manifest=dst_manifest,
         source=source,
         owner_filters=registration.owner_filters,
@@ -547,24 +610,8 @@ def _small_plans(
     )
     if groups is None:
         return None
-    by_group = _fragments_by_group(registration.fragments)
     step_lanes = [
-        [
-            (
-                srcs,
-                dsts,
-                _lanes(
-                    src_contract=src_contract,
-                    src_base=src_base,
-                    dst_contract=dst_contract,
-                    dst_base=dst_base,
-                    group_id=gid,
-                    by_group=by_group,
-                    fields=fields,
-                ),
-            )
-            for gid, srcs, dsts in groups
-        ]
+        [(srcs, dsts, route.lanes_of(gid, fields)) for gid, srcs, dsts in groups]
         for fields in steps
     ]
     copies = sum(
@@ -661,20 +708,16 @@ def plan_steps(
     built in plain Python (same copies, same checks); bigger ones, and any plan
     that fails a check, go through numpy. ``small_limit=0`` forces numpy.
     """
-    src_len = src_contract.arena_bytes
-    dst_len = dst_contract.arena_bytes
+    route = _route(src_contract, src_base, dst_contract, dst_base, registration)
+    src_len, dst_len = route.src_len, route.dst_len
     for name, base, size in (("source", src_base, src_len), ("destination", dst_base, dst_len)):
         if base < 0 or base + size > MAX_ADDRESS:
             raise PlanError(f"{name} arena [{base:#x}, +{size}) is not a valid address range")
     if small_limit > 0:
         small = _small_plans(
-            src_contract=src_contract,
-            src_base=src_base,
-            dst_contract=dst_contract,
-            dst_base=dst_base,
+            route,
             dst_manifest=dst_manifest,
             source=source,
-            registration=registration,
             steps=steps,
             coalesced=coalesced,
             limit=small_limit,
@@ -691,15 +734,7 @@ def plan_steps(
     )
     plans = []
     for fields in steps:
-        plan = _step_copies(
-            src_contract=src_contract,
-            src_base=src_base,
-            dst_contract=dst_contract,
-            dst_base=dst_base,
-            groups=groups,
-            fragments=registration.fragments,
-            fields=fields,
-        )
+        plan = _step_copies(route, groups, fields)
         check_bounds(plan, src_base=src_base, src_len=src_len, dst_base=dst_base, dst_len=dst_len)
         plans.append(coalesce(plan) if coalesced else plan)
     return tuple(plans)
