@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from tspd.core.contract import CacheContract
 from tspd.core.errors import PlanError
-from tspd.core.manifest import BlockManifest, Selection
+from tspd.core.manifest import BlockManifest, ManifestGroup, Selection, SelectionGroup
 from tspd.core.planner import Fragment, OwnerFilter, PlannedRegistration
 
 __all__ = [
@@ -62,11 +62,12 @@ DEFAULT_MAX_DESCRIPTORS = 1024
 MAX_ADDRESS = 1 << 62
 
 #: Copies up to which :func:`plan_steps` plans in plain Python: below it numpy's
-#: per-call overhead (about 1-5 µs a call, a few dozen calls a plan) costs more than
-#: the arithmetic. Measured: one 4 KiB field, 1 / 8 / 32 / 64 scattered pages plan
-#: in 10 / 14 / 26 / 43 µs in Python against 23 / 26 / 27 / 29 µs through numpy;
-#: four fields break even near 80 copies. The Python path costs about 0.5 µs a copy.
-SMALL_PLAN_COPIES = 32
+#: per-call overhead (about 1-5 µs a call, a few calls a field) costs more than the
+#: arithmetic. Measured (scattered pages, coalesced): one 4 KiB field, 1 / 8 / 32 /
+#: 48 / 64 pages plan in 7 / 11 / 20 / 27 / 32 µs in Python against 23 / 27 / 26 /
+#: 27 / 28 µs through numpy; four fields break even near 96 copies (24 pages). The
+#: Python path costs about 0.4 µs a copy.
+SMALL_PLAN_COPIES = 48
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -515,8 +516,12 @@ def _step_copies(
 
 def _int_ids(ids: Sequence[int], limit: int) -> bool:
     """Whether every id is a plain Python int in ``[0, limit)`` (the small path's
-    check; anything else goes to the numpy path, which names the problem)."""
-    return all(type(i) is int and 0 <= i < limit for i in ids)
+    check; anything else goes to the numpy path, which names the problem). A plain
+    loop: for the few ids of a small room a generator costs more than the test."""
+    for i in ids:  # noqa: SIM110
+        if type(i) is not int or not 0 <= i < limit:
+            return False
+    return True
 
 
 def _small_pages(
@@ -532,27 +537,31 @@ def _small_pages(
 ) -> list[tuple[str, list[int], list[int]]] | None:
     """:func:`_group_pages` over Python lists, for rooms of at most ``limit`` source
     block ids: the same pairs, or ``None`` when the room is bigger or anything is
-    not plainly valid (the numpy path then plans it, or raises its exact error)."""
-    dst_groups = {g.group_id: g.block_ids for g in dst_manifest.groups}
-    if len(dst_groups) != len(dst_manifest.groups) or tuple(dst_groups) != order:
+    not plainly valid (the numpy path then plans it, or raises its exact error).
+    Both manifests must list exactly the contract's groups in its order."""
+    dst_groups = dst_manifest.groups
+    selection = isinstance(source, Selection)
+    src_groups: Sequence[ManifestGroup | SelectionGroup] = source.groups
+    if len(dst_groups) != len(order) or len(src_groups) != len(order):
         return None
-    entries: list[tuple[str, Sequence[int], Sequence[int] | None]]
-    if isinstance(source, Selection):
-        if len(source.groups) != len(order):
+    sources: list[tuple[Sequence[int], Sequence[int] | None]] = []
+    total = 0
+    for gid, dst_group, src_group in zip(order, dst_groups, src_groups, strict=True):
+        if dst_group.group_id != gid or src_group.group_id != gid:
             return None
-        entries = [(g.group_id, g.source_block_ids, g.destination_positions) for g in source.groups]
-    else:
-        if len(source.groups) != len(order):
-            return None
-        entries = [(g.group_id, g.block_ids, None) for g in source.groups]
-    if tuple(e[0] for e in entries) != order:
-        return None
-    if sum(len(e[1]) for e in entries) > limit:  # at least one copy a kept block
+        if isinstance(src_group, SelectionGroup):
+            sources.append((src_group.source_block_ids, src_group.destination_positions))
+            total += len(src_group.source_block_ids)
+        else:
+            sources.append((src_group.block_ids, None))
+            total += len(src_group.block_ids)
+    if total > limit:  # at least one copy a kept block
         return None
     out = []
-    for gid, src_ids, positions in entries:
-        dst_ids: Sequence[int] = dst_groups[gid]
-        if positions is not None:
+    for gid, dst_group, (src_ids, positions) in zip(order, dst_groups, sources, strict=True):
+        dst_ids: Sequence[int] = dst_group.block_ids
+        if selection:
+            assert positions is not None
             if not _int_ids(positions, len(dst_ids)):
                 return None
             dst_ids = [dst_ids[p] for p in positions]
@@ -610,16 +619,16 @@ def _small_plans(
     )
     if groups is None:
         return None
-    step_lanes = [
-        [(srcs, dsts, route.lanes_of(gid, fields)) for gid, srcs, dsts in groups]
-        for fields in steps
-    ]
-    copies = sum(
-        len(srcs) * (lane[4] if lane[4] > 1 else 1)
-        for per_group in step_lanes
-        for srcs, _, lanes in per_group
-        for lane in lanes
-    )
+    step_lanes = []
+    copies = 0
+    for fields in steps:
+        per_group = []
+        for gid, srcs, dsts in groups:
+            lanes = route.lanes_of(gid, fields)
+            for lane in lanes:
+                copies += len(srcs) * (lane[4] if lane[4] > 1 else 1)
+            per_group.append((srcs, dsts, lanes))
+        step_lanes.append(per_group)
     if copies > limit:
         return None
     src_end, dst_end = src_base + src_len, dst_base + dst_len
@@ -671,8 +680,8 @@ def _coalesce_lists(
 
 def _plan_of_lists(src: list[int], dst: list[int], length: list[int]) -> CopyPlan:
     """A plan of three equal-length lists of int64-range ints, as one read-only 3×n
-    table whose rows the plan holds (one numpy call; the columns are known good, so
-    the constructor's checks are skipped)."""
+    table whose rows the plan holds (one numpy call and one ``setflags``; the
+    columns are known good, so the constructor's checks are skipped)."""
     if not length:
         return CopyPlan.empty()
     table = np.array((src, dst, length), dtype=np.int64)
