@@ -343,6 +343,13 @@ def test_build_manifest_orders_groups_by_contract() -> None:
             "scheduler group IDs disagree with the Paged cache layout: missing=['state'], extra=[]",
         ),
         (
+            {"kv": [1], "other": [1]},
+            0,
+            4,
+            "scheduler group IDs disagree with the Paged cache layout: missing=['state'], "
+            "extra=['other']",
+        ),
+        (
             {"kv": [1], "state": [1], "zz": [], "aa": []},
             0,
             4,

@@ -219,6 +219,9 @@ def _check_aligned(contract: CacheContract, prefix_len: int) -> None:
 
 
 def _check_tables(contract: CacheContract, tables: Mapping[str, Sequence[int]]) -> None:
+    specs = contract.group_specs
+    if len(tables) == len(specs) and all(spec.group_id in tables for spec in specs):
+        return  # the usual case, without building two sets
     expected = set(contract.group_ids)
     present = set(tables)
     if present != expected:
@@ -261,7 +264,7 @@ def build_manifest(
     """
     _check_window(contract, prefix_len, prompt_len)
     _check_tables(contract, tables)
-    groups = tuple(
+    groups = [
         ManifestGroup(
             spec.group_id,
             _read(
@@ -272,8 +275,8 @@ def build_manifest(
             ),
         )
         for spec in contract.group_specs
-    )
-    return BlockManifest(groups, prefix_len, prompt_len, state_prefix_cached)
+    ]
+    return BlockManifest(tuple(groups), prefix_len, prompt_len, state_prefix_cached)
 
 
 def same_prompt_window(a: BlockManifest, b: BlockManifest) -> bool:
