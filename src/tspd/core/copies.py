@@ -5,7 +5,12 @@ an absolute address in this rank's registered arena, ``dst`` one in the Decode
 rank's. :func:`plan_copies` reproduces the emission order of spec §6.7 exactly
 (group → field or fragment → page → row), vectorised with numpy over pages and rows
 so a room of tens of thousands of pages costs a few array operations, not a Python
-loop per page.
+loop per page. A small plan (at most :data:`SMALL_PLAN_COPIES` copies, a typical
+hand-over of a few pages) is built with plain Python ints instead, where numpy's
+per-call overhead would dominate: same copies, same order, same checks, and any
+input the fast path does not plainly accept is re-planned by numpy, which raises
+the usual error. Facts that depend only on the route (group order, arena lengths,
+per-field offsets and strides) are derived once and kept across rooms.
 
 Three transport-facing steps follow planning, each a pure function of a plan:
 
