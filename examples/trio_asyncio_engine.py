@@ -13,100 +13,21 @@ prints a summary line when every check held.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import sys
 
-from tspd.core.commands import Bootstrapped, Event, Failed, RemotePrefillDone, Succeeded
-from tspd.core.kv_events import AllBlocksCleared, BlockStored
-from tspd.core.manifest import BlockManifest
-from tspd.hosts.aio import AioBridge, run_aio_host
-from tspd.shell.kv_subscriber import KVEventSubscriber, ReceivedBatch
-from tspd.testing.local_pd import LocalPD, Prompt
+from asyncio_engine import engine
 
-PROMPT = 12
-REQUESTS = ("req-1", "req-2", "req-3")
-
-
-async def read_blocks(
-    bridge: AioBridge, subscriber: KVEventSubscriber, joined: asyncio.Event, count: int
-) -> int:
-    """The router side: count stored blocks until ``count`` arrived."""
-    blocks = 0
-    async for item in bridge.iterate(subscriber):
-        if isinstance(item, ReceivedBatch):
-            joined.set()
-            blocks += sum(isinstance(e, BlockStored) for e in item.batch.events)
-            if blocks >= count:
-                break
-    return blocks
-
-
-async def engine(bridge: AioBridge, pd: LocalPD) -> str:
-    server = await bridge.enter(pd.bootstrap_server(), name="bootstrap server")
-    prefill = await bridge.enter(pd.prefill_peer(server.address), name="Prefill peer")
-    decode = await bridge.enter(pd.decode_peer(), name="Decode peer")
-    subscriber = await bridge.enter(pd.subscriber(), name="KV subscriber")
-    publisher = await bridge.enter(pd.publisher(), name="KV publisher")
-
-    joined = asyncio.Event()
-    reader = asyncio.create_task(
-        read_blocks(bridge, subscriber, joined, (PROMPT // 4) * len(REQUESTS))
-    )
-    while not joined.is_set():  # the PUB connects asynchronously: announce until heard
-        await bridge.run(publisher.apublish, [AllBlocksCleared()])
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(joined.wait(), 0.05)
-
-    rooms = {rid: 500 + i for i, rid in enumerate(REQUESTS)}
-    for rid, room in rooms.items():
-        await bridge.run_sync(decode.register_request, rid, room, server.address)
-        await bridge.run_sync(prefill.register_request, rid, room)
-
-    prompts: dict[str, Prompt] = {}
-    manifests: dict[str, BlockManifest] = {}
-    done: dict[str, Event] = {}
-    sent: set[str] = set()
-    async with asyncio.timeout(30):
-        while len(done) < len(rooms) or len(sent) < len(rooms):
-            for event in await bridge.run(decode.poll):
-                if isinstance(event, Bootstrapped):
-                    manifests[event.rid] = pd.preallocation(rooms[event.rid], PROMPT)
-                    await bridge.run_sync(
-                        decode.send_preallocation, rooms[event.rid], manifests[event.rid]
-                    )
-                elif isinstance(event, RemotePrefillDone | Failed):
-                    done[event.rid] = event
-            for event in await bridge.run(prefill.poll):
-                if isinstance(event, Bootstrapped):
-                    prompts[event.rid] = pd.prompt(event.rid, rooms[event.rid], PROMPT)
-                    await bridge.run_sync(prefill.hand_over, [prompts[event.rid].row])
-                elif isinstance(event, Succeeded):
-                    sent.add(event.rid)
-                    await bridge.run(publisher.apublish, pd.stored_events(prompts[event.rid]))
-                elif isinstance(event, Failed):
-                    raise SystemExit(f"Prefill failed {event.rid}: {event.reason}")
-            await asyncio.sleep(0.002)
-        blocks = await reader
-
-    for rid, event in done.items():
-        if not isinstance(event, RemotePrefillDone):
-            raise SystemExit(f"Decode failed {rid}: {event}")
-        if event.bootstrap_token != pd.expected_token(rooms[rid]):
-            raise SystemExit(f"{rid}: wrong bootstrap token {event.bootstrap_token}")
-        if pd.verify(rooms[rid], manifests[rid]):
-            raise SystemExit(f"{rid}: the KV that arrived differs from what was sent")
-    return (
-        f"trio-asyncio engine: {len(done)} requests transferred, KV verified, "
-        f"{blocks} KV blocks published and read back"
-    )
+from tspd.hosts.aio import run_aio_host
+from tspd.testing.local_pd import LocalPD
 
 
 def main() -> str:
     """Was ``asyncio.run(engine(...))``; ``run_aio_host`` hands ``engine`` the bridge."""
     pd = LocalPD()
     try:
-        return run_aio_host(engine, pd, name="the example's trio-asyncio bridge")
+        return run_aio_host(
+            engine, pd, "trio-asyncio engine", name="the example's trio-asyncio bridge"
+        )
     finally:
         pd.close()  # after the bridge exited the peers that registered the arenas
 
