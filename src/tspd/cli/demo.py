@@ -235,6 +235,10 @@ def _print_summary(options: DemoOptions, summary: DemoSummary) -> None:
     table.caption = (
         "The demo's ranks also generate (Prefill) and check (Decode) every KV byte with "
         "the SHAKE-256 pattern of spec §15; its CPU and latency figures include that. "
+        "CPU per room is the process CPU of all of a side's ranks (engine threads "
+        "included) over the rooms. Hand-over → done also counts the Decode rank "
+        "checking the rooms that finished ahead of it in the same poll, and all ranks "
+        "and this driver share this host's cores. "
         "`tspd bench pd` measures the control plane alone."
     )
     console = Console()
