@@ -155,3 +155,35 @@ def test_replicated_shard_is_the_whole_payload() -> None:
 
     assert field_shard(contract, field, data, tp_size=4, tp_rank=3) == data
     assert np.frombuffer(data, np.uint8).size == 64
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4, 8])
+def test_head_major_fill_equals_the_sliced_global_pattern(tp_size: int) -> None:
+    """A field split on its first axis is filled from a prefix of the stream only;
+    every rank's bytes must still equal its slice of the whole global tensor."""
+    from tspd.demo.workload import demo_contract
+    from tspd.shell.arena import field_shard
+
+    heads = max(1, 4 // tp_size)
+    contract = demo_contract(
+        layers=1,
+        num_pages=4,
+        heads=heads,
+        head_dim=8,
+        page_tokens=2,
+        tp_size=tp_size,
+        global_heads=4,
+    )
+    manifest = build_manifest(contract, {"kv": [1, 3]}, 0, 4)
+    for rank in range(tp_size):
+        with HostArena.for_contract(contract) as arena:
+            fill_room(arena, contract, manifest, seed=7, room=11, tp_size=tp_size, tp_rank=rank)
+            for field in contract.fields_for_group("kv"):
+                for slot, block in enumerate((1, 3)):
+                    whole = block_bytes(7, 11, "kv", field.field_id, slot, 4 * 2 * 8 * 2)
+                    want = field_shard(contract, field, whole, tp_size=tp_size, tp_rank=rank)
+                    offset = contract.page_offset(field, block)
+                    assert arena.view(offset, field.payload_bytes).tobytes() == want
+            assert not verify_room(
+                arena, contract, manifest, seed=7, room=11, tp_size=tp_size, tp_rank=rank
+            )

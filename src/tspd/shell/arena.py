@@ -194,10 +194,36 @@ def _expected(
     tp_size: int,
     tp_rank: int,
 ) -> bytes:
+    span = _leading_shard_span(contract, field, tp_size=tp_size, tp_rank=tp_rank)
+    if span is not None:
+        # The shard is one byte range of the global stream: generate the stream only
+        # up to its end and take the range (a SHAKE stream cannot start mid-way).
+        start, stop = span
+        return block_bytes(seed, room, group_id, field.field_id, slot, stop)[start:]
     whole = block_bytes(
         seed, room, group_id, field.field_id, slot, _global_payload(contract, field)
     )
     return field_shard(contract, field, whole, tp_size=tp_size, tp_rank=tp_rank)
+
+
+def _leading_shard_span(
+    contract: CacheContract, field: FieldSpec, *, tp_size: int, tp_rank: int
+) -> tuple[int, int] | None:
+    """The ``[start, stop)`` bytes of the global tensor that are this rank's shard,
+    when they are one range: the field is partitioned on its first axis in a single
+    part (the demo's head-major KV pages). ``None`` otherwise; :func:`field_shard`
+    handles every layout, and reports one that does not fit ``tp_size``."""
+    partition = contract.partition_of(field.field_id)
+    if partition is None or partition.axis != 0 or len(partition.parts) != 1:
+        return None
+    local_extent = field.shape[0]
+    shards = partition.global_extent // local_extent
+    if shards <= 0 or tp_size % shards != 0 or shards * local_extent != partition.global_extent:
+        return None
+    row = field.payload_bytes // local_extent
+    shard = tp_rank // (tp_size // shards)
+    start = shard * local_extent * row
+    return start, start + local_extent * row
 
 
 def fill_room(
