@@ -30,4 +30,5 @@ def single_error() -> Iterator[None]:
         only = _only(group)
         if only is group:
             raise
-        raise only from None
+        # Keep the error's own cause (e.g. the OSError behind a bind failure).
+        raise only from only.__cause__
