@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, Final, NoReturn, cast, final
+from typing import Any, Final, NoReturn, final
 
 import httpx
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -49,6 +46,8 @@ from tspd.core.bootstrap import (
     parse_rank_info,
 )
 from tspd.core.errors import TspdError
+from tspd.shell.http import bind_tcp, serve_asgi
+from tspd.shell.nursery import single_error
 
 __all__ = [
     "DEFAULT_BOOTSTRAP_PORT",
@@ -146,15 +145,10 @@ class BootstrapServer:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        return bind_tcp(host, port)
     except OSError as err:
-        sock.close()
         raise BootstrapServerError(f"Bootstrap server failed to bind on port {port}") from err
-    return sock
 
 
 async def serve_bootstrap(
@@ -184,34 +178,15 @@ async def _serve_socket(
     """Serve on an already bound socket (adopted: hypercorn closes it)."""
     state = BootstrapState() if state is None else state
     server = BootstrapServer(host, sock.getsockname()[1], state)
-    config = HypercornConfig()
-    # hypercorn adopts the descriptor, listens on it and closes it when it stops.
-    config.bind = [f"fd://{sock.detach()}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("tspd.bootstrap.http")
-    config.graceful_timeout = 0.5
-    with _single_error():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(partial(hypercorn_serve, cast(Any, bootstrap_app(state)), config))
-            logger.info("bootstrap server listening on %s", server.url)
-            task_status.started(server)
-            await trio.sleep_forever()
-    raise AssertionError("unreachable: the bootstrap server returns only by cancellation")
-
-
-@contextmanager
-def _single_error() -> Iterator[None]:
-    """Re-raise a one-exception group from this module's own nurseries as that
-    exception (keeping its cause), so callers see the error, not our task tree."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        only: BaseException = group
-        while isinstance(only, BaseExceptionGroup) and len(only.exceptions) == 1:
-            only = only.exceptions[0]
-        if only is group:
-            raise
-        raise only from only.__cause__
+    await serve_asgi(
+        bootstrap_app(state),
+        sock,
+        logger=logger,
+        what="bootstrap server",
+        started=server,
+        url=server.url,
+        task_status=task_status,
+    )
 
 
 @asynccontextmanager
@@ -225,7 +200,7 @@ async def open_bootstrap_server(
     (``server.address`` is the bound ``"host:port"``). A bind failure raises
     :class:`BootstrapServerError` before the block runs."""
     sock = _bind(host, port)
-    with _single_error():
+    with single_error():
         async with trio.open_nursery() as nursery:
             server: BootstrapServer = await nursery.start(_serve_socket, sock, host, state)
             try:

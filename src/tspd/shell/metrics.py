@@ -93,12 +93,9 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, Final, NoReturn, cast, final
+from typing import Any, Final, NoReturn, final
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
@@ -121,6 +118,7 @@ from tspd.core.errors import ConfigError
 from tspd.core.machines import RoomState
 from tspd.core.seqtrack import TrackerStats
 from tspd.core.trace import Outcome, RoomTrace, Side
+from tspd.shell.http import bind_tcp, serve_asgi
 from tspd.shell.kv_publisher import PublisherStats
 from tspd.shell.kv_subscriber import BatchesLost, SubscriberItem
 from tspd.shell.nursery import single_error
@@ -810,18 +808,13 @@ class MetricsServer:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        return bind_tcp(host, port)
     except OSError as err:
-        sock.close()
         raise ConfigError(
             f"the metrics endpoint cannot bind {host}:{port}: {err.strerror or err}; "
             "pick another port (0 picks a free one)"
         ) from err
-    return sock
 
 
 async def _serve_socket(
@@ -832,19 +825,15 @@ async def _serve_socket(
     task_status: trio.TaskStatus[MetricsServer] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     server = MetricsServer(host, sock.getsockname()[1])
-    config = HypercornConfig()
-    # hypercorn adopts the bound descriptor and closes it when it stops.
-    config.bind = [f"fd://{sock.detach()}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("tspd.metrics.http")
-    config.graceful_timeout = 0.5
-    with single_error():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(partial(hypercorn_serve, cast(Any, metrics_app(metrics)), config))
-            log.info("metrics endpoint listening on %s", server.url)
-            task_status.started(server)
-            await trio.sleep_forever()
-    raise AssertionError("unreachable: the metrics endpoint returns only by cancellation")
+    await serve_asgi(
+        metrics_app(metrics),
+        sock,
+        logger=log,
+        what="metrics endpoint",
+        started=server,
+        url=server.url,
+        task_status=task_status,
+    )
 
 
 async def serve_metrics(
