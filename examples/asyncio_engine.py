@@ -88,12 +88,7 @@ async def engine(bridge: TrioBridge, pd: LocalPD, label: str) -> str:
         blocks = await reader
 
     for rid, event in done.items():
-        if not isinstance(event, RemotePrefillDone):
-            raise SystemExit(f"Decode failed {rid}: {event}")
-        if event.bootstrap_token != pd.expected_token(rooms[rid]):
-            raise SystemExit(f"{rid}: wrong bootstrap token {event.bootstrap_token}")
-        if pd.verify(rooms[rid], manifests[rid]):
-            raise SystemExit(f"{rid}: the KV that arrived differs from what was sent")
+        pd.check_outcome(rid, event, rooms[rid], manifests[rid])
     return (
         f"{label}: {len(done)} requests transferred, KV verified, "
         f"{blocks} KV blocks published and read back"

@@ -18,7 +18,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import final
 
-from tspd.core.commands import Event, Failed, RemotePrefillDone
+from tspd.core.commands import Event, RemotePrefillDone
 from tspd.core.contract import CacheContract
 from tspd.core.decode import DecodeConfig
 from tspd.core.interop import bootstrap_token_and_candidates
@@ -38,7 +38,7 @@ from tspd.shell.steps import StepCounter
 from tspd.testing.fake_engine import AsyncFakeEngine, FakeFabric
 from tspd.testing.layouts import PageAllocator, multi_layer_contract
 
-__all__ = ["LocalPD", "Prompt", "decode_outcome"]
+__all__ = ["LocalPD", "Prompt"]
 
 #: Tokens per page of the local contract (also the KV-event block size).
 PAGE_TOKENS = 4
@@ -55,15 +55,6 @@ class Prompt:
     room: int
     row: RemoteDecodeRow
     token_ids: tuple[int, ...]
-
-
-def decode_outcome(events: list[Event], rid: str) -> Event | None:
-    """The terminal Decode event of ``rid`` among ``events`` (``RemotePrefillDone``
-    or ``Failed``), if any."""
-    for event in events:
-        if event.rid == rid and isinstance(event, RemotePrefillDone | Failed):
-            return event
-    return None
 
 
 @final
@@ -180,6 +171,16 @@ class LocalPD:
     def verify(self, room: int, manifest: BlockManifest) -> list[BlockMismatch]:
         """Blocks of ``room`` on the Decode side that differ from what was sent."""
         return verify_room(self.decode_arena, self.contract, manifest, seed=self.seed, room=room)
+
+    def check_outcome(self, rid: str, event: Event, room: int, manifest: BlockManifest) -> None:
+        """Raise ``SystemExit`` naming what went wrong unless ``rid`` finished with
+        ``RemotePrefillDone``, the expected bootstrap token and intact KV."""
+        if not isinstance(event, RemotePrefillDone):
+            raise SystemExit(f"Decode failed {rid}: {event}")
+        if event.bootstrap_token != self.expected_token(room):
+            raise SystemExit(f"{rid}: wrong bootstrap token {event.bootstrap_token}")
+        if self.verify(room, manifest):
+            raise SystemExit(f"{rid}: the KV that arrived differs from what was sent")
 
     @staticmethod
     def stored_events(prompt: Prompt) -> list[KVEvent]:
