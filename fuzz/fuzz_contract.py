@@ -4,9 +4,12 @@ The first input byte picks the mode (odd: S3 compatibility mode), the rest is th
 contract payload. The only exception allowed out of :func:`parse_contract` is
 :class:`~tspd.core.errors.ContractError`; anything else is a finding. A contract that
 parses must also behave: its canonical form parses back to the same contract and
-re-serialises byte for byte, every page of every field lies inside its plane, it is
-compatible with itself, and deriving a producer schedule fails only with
-``ContractError``.
+re-serialises byte for byte, page offsets and the local-contract checks
+(:func:`~tspd.core.contract.check_local_contract`) fail only with ``ContractError``,
+every page of every field of a contract those checks accept lies inside its layout,
+it is compatible with itself, and deriving a producer schedule fails only with
+``ContractError``. A parsed contract need not pass the local checks: a peer's
+contract is held to TokenSpeed's rules only.
 
 Short runs are part of the test suite (``tests/core/test_fuzz_targets_layout.py``).
 Long runs by hand::
@@ -22,7 +25,12 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from tspd.core.contract import CacheContract, parse_contract, validate_peer_layout
+from tspd.core.contract import (
+    CacheContract,
+    check_local_contract,
+    parse_contract,
+    validate_peer_layout,
+)
 from tspd.core.errors import ContractError
 from tspd.core.schedule import ProducerSchedule
 
@@ -39,14 +47,29 @@ def check_contract(contract: CacheContract, *, compat: bool) -> None:
     again = parse_contract(data, compat=compat)
     assert again == contract, (again, contract)
     assert again.to_json() == data
+    try:
+        check_local_contract(contract)
+        local = True
+    except ContractError:
+        local = False
     layout_bytes = (contract.plan.num_lcm_blocks + 1) * contract.plan.lcm_block_bytes
     for f in contract.plan.fields:
-        plane = contract.plane(f.plane_id)
-        pages = contract.page_count(f.group_id)
-        for page in {0, 1, pages - 1} & set(range(pages)):
-            start = contract.page_offset(f, page)
-            assert plane.arena_offset_bytes <= start
-            assert start + f.payload_bytes <= layout_bytes
+        try:
+            pages = contract.page_count(f.group_id)
+        except ContractError:
+            assert not local
+            continue
+        for page in (0, 1, pages - 1, pages, -1, True):
+            try:
+                start = contract.page_offset(f, page)
+            except ContractError:
+                assert not local or not 0 <= page < pages or isinstance(page, bool)
+                continue
+            assert not isinstance(page, bool)
+            assert 0 <= page < pages
+            if local:
+                assert start >= 0
+                assert start + f.payload_bytes <= layout_bytes
     for spec in contract.group_specs:
         assert spec.block_granularity > 0
         assert contract.fields_for_group(spec.group_id) == tuple(

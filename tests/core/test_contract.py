@@ -1,5 +1,5 @@
-"""The cache transfer contract: canonical JSON, every §5.2 rule, derived geometry,
-peer compatibility (§5.3)."""
+"""The cache transfer contract: canonical JSON, every §5.2 rule, tspd's own checks of
+a local contract, derived geometry, peer compatibility (§5.3)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ import json
 import pickle
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tspd.core.contract import (
     DTYPE_WIDTHS,
+    LOCAL_CONTRACT_PREFIX,
+    MAX_ARENA_BYTES,
     MAX_CONTRACT_BYTES,
     S1_PEER_PREFIX,
     CacheContract,
@@ -26,11 +29,13 @@ from tspd.core.contract import (
     Plane,
     PlanGroup,
     TransferSchema,
+    check_local_contract,
     dtype_width,
+    page_index,
     parse_contract,
     validate_peer_layout,
 )
-from tspd.core.errors import ContractError, PlanError, WireError
+from tspd.core.errors import ContractError, WireError
 from tspd.testing.layouts import multi_layer_contract, simple_contract
 
 INVALID = "invalid cache transfer contract"
@@ -161,15 +166,35 @@ def test_partitions_and_resident_bytes_serialise_in_place() -> None:
     assert b"resident_block_bytes" not in parse_contract(dump(obj)).to_json()
 
 
-def test_unknown_top_level_and_plan_keys_are_ignored_and_dropped() -> None:
+def test_unknown_top_level_plan_and_transfer_schema_keys_are_ignored_and_dropped() -> None:
     contract = simple_contract(num_pages=2, page_bytes=8)
     obj = wire(contract)
     obj["field_addresses"] = None
     obj["version"] = 7
     obj["plan"]["future"] = {"anything": [1, 2]}
+    obj["transfer_schema"]["replicated"] = ["layer.0.kv"]
+    obj["transfer_schema"]["version"] = None
+    for compat in (False, True):
+        parsed = parse_contract(dump(obj), compat=compat)
+        assert parsed == contract
+        assert parsed.to_json() == GOLDEN
+
+
+def test_transfer_schema_still_needs_its_fields() -> None:
+    obj = wire(BASE)
+    del obj["transfer_schema"]["fields"]
+    obj["transfer_schema"]["other"] = []
+    assert "'fields'" in str(invalid_cause(obj))
+
+
+@pytest.mark.parametrize("value", ["8", 8.0, True, [8], {"bytes": 8}])
+def test_a_resident_block_bytes_that_is_no_integer_is_ignored_like_s1(value: Any) -> None:
+    # S1 does not read the key at all (spec §5.2); only S3/R give it a meaning.
+    obj = wire(BASE)
+    obj["plan"]["resident_block_bytes"] = value
     parsed = parse_contract(dump(obj))
-    assert parsed == contract
-    assert parsed.to_json() == GOLDEN
+    assert parsed == BASE
+    assert parsed.to_json() == BASE.to_json()
 
 
 def test_encode_bound() -> None:
@@ -271,7 +296,6 @@ def test_every_wrong_type_is_invalid(path: tuple[Any, ...]) -> None:
         ("plan", "fields", 0),
         ("group_specs", 0),
         ("group_specs", 1),
-        ("transfer_schema",),
         ("transfer_schema", "fields", 0),
         ("transfer_schema", "fields", 0, "partition"),
     ],
@@ -286,7 +310,7 @@ def test_unknown_key_inside_an_entry_is_invalid(entry: tuple[Any, ...]) -> None:
     assert "surprise" in str(invalid_cause(obj))
 
 
-@pytest.mark.parametrize("value", [True, 1.0, 2.5, "3", None, -1])
+@pytest.mark.parametrize("value", [True, 1.0, 2.5, "3", None])
 def test_integers_are_strict(value: Any) -> None:
     obj = wire(BASE)
     obj["plan"]["num_lcm_blocks"] = value
@@ -401,10 +425,7 @@ def test_global_parts_bounds() -> None:
         {"checkpoint_granularity": 4},
         {"rows_per_page": 0},
         {"entry_stride_tokens": -1},
-        {"retention": "sliding_window"},
-        {"sliding_window_tokens": 8},
         {"retention": "sliding_window", "sliding_window_tokens": 0},
-        {"group_id": ""},
     ],
 )
 def test_history_spec_shape_rules(overrides: dict[str, Any]) -> None:
@@ -442,43 +463,200 @@ def test_valid_spec_variants() -> None:
     assert history_spec(transfer_policy=None).transfer_policy is None
 
 
-@pytest.mark.parametrize(
-    ("mutate", "fragment"),
-    [
-        (lambda o: o["plan"]["groups"][0].update(page_count=4), "page_count"),
-        (lambda o: o["plan"]["groups"][0].update(cache_blocks_per_lcm_block=0), "positive"),
-        (lambda o: o["plan"].update(prefix_granularity=0), "prefix_granularity"),
-        (lambda o: o["plan"].update(lcm_block_bytes=0), "lcm_block_bytes"),
-        (lambda o: o["plan"].update(resident_block_bytes=0), "resident_block_bytes"),
-        (lambda o: o["plan"]["planes"][1].update(arena_offset_bytes=8), "overlap"),
-        (lambda o: o["plan"]["planes"][0].update(bytes_per_lcm_block=0), "positive"),
-        (lambda o: o["plan"]["planes"][0].update(arena_offset_bytes=-8), "negative"),
-        (lambda o: o["plan"]["fields"][0].update(plane_id="nowhere"), "unknown plane"),
-        (lambda o: o["plan"]["fields"][0].update(group_id="nowhere"), "unknown group"),
-        (lambda o: o["plan"]["fields"][0].update(shape=[]), "shape"),
-        (lambda o: o["plan"]["fields"][0].update(shape=[4, 0, 2]), "shape"),
-        (lambda o: o["plan"]["fields"][0].update(field_offset_bytes=1), "overflows"),
-        (lambda o: o["plan"]["fields"][0].update(page_stride_bytes=0), "stride"),
-        (lambda o: o["plan"]["fields"].append(o["plan"]["fields"][0]), "duplicated"),
-        (lambda o: o["plan"]["groups"].append(o["plan"]["groups"][0]), "duplicated"),
-        (lambda o: o["plan"].update(groups=[]), "at least one"),
-        (lambda o: o["group_specs"].pop(), "disagree"),
-        (lambda o: o["group_specs"].append(o["group_specs"][0]), "repeat"),
-        (lambda o: o["plan"].update(lcm_block_bytes=8), "ends past the arena"),
-    ],
-)
-def test_plan_geometry_rules(mutate: Any, fragment: str) -> None:
+def _unpartitioned(obj: dict[str, Any], fid: str) -> bool:
+    fields = obj["transfer_schema"]["fields"]
+    obj["transfer_schema"]["fields"] = [f for f in fields if f["field_id"] != fid]
+    return True
+
+
+def _k(obj: dict[str, Any]) -> dict[str, Any]:
+    field: dict[str, Any] = obj["plan"]["fields"][0]
+    assert field["field_id"] == "layer.0.k"
+    return field
+
+
+# Every check tspd makes beyond S1 (§5.2): a peer's contract that breaks one is parsed
+# as S1 parses it, and only this rank's own contract is refused (check_local_contract).
+LOCAL_ONLY_RULES: list[tuple[Any, str]] = [
+    (lambda o: o["plan"].update(prefix_granularity=0), "prefix_granularity must be positive"),
+    (lambda o: o["plan"].update(lcm_block_bytes=0), "lcm_block_bytes must be positive"),
+    (lambda o: o["plan"].update(num_lcm_blocks=-1), "num_lcm_blocks must not be negative"),
+    (lambda o: o["plan"].update(resident_block_bytes=0), "resident_block_bytes"),
+    (lambda o: o["plan"].update(resident_block_bytes=73), "resident_block_bytes"),
+    (lambda o: o["plan"].update(lcm_block_bytes=MAX_ARENA_BYTES), "tspd can address"),
+    (lambda o: o["plan"].update(groups=[]), "at least one page group"),
+    (lambda o: o["plan"]["groups"][0].update(group_id=""), "IDs must be non-empty"),
+    (lambda o: o["plan"]["planes"][0].update(plane_id=""), "IDs must be non-empty"),
+    (lambda o: o["group_specs"][0].update(group_id=""), "IDs must be non-empty"),
+    (lambda o: o["plan"]["fields"].append(o["plan"]["fields"][0]), "duplicated"),
+    (lambda o: o["plan"]["groups"].append(o["plan"]["groups"][0]), "duplicated"),
+    (lambda o: o["plan"]["planes"].append(o["plan"]["planes"][0]), "duplicated"),
+    (lambda o: o["group_specs"].append(o["group_specs"][0]), "duplicated"),
+    (lambda o: o["group_specs"].pop(), "disagree"),
+    (lambda o: o["group_specs"][0].update(retention="sliding_window"), "needs sliding_window"),
+    (lambda o: o["group_specs"][0].update(sliding_window_tokens=8), "cannot have sliding"),
+    (lambda o: o["plan"]["groups"][0].update(cache_blocks_per_lcm_block=0), "positive"),
+    (lambda o: o["plan"]["groups"][0].update(page_count=4), "page_count 4"),
+    (lambda o: o["plan"]["groups"][1].update(page_count=2), "page_count 2"),
+    (lambda o: o["plan"]["planes"][0].update(bytes_per_lcm_block=0), "positive"),
+    (lambda o: o["plan"]["planes"][0].update(bytes_per_lcm_block=-32), "positive"),
+    (lambda o: o["plan"]["planes"][0].update(arena_offset_bytes=-8), "negative arena offset"),
+    (lambda o: _k(o).update(plane_id="nowhere"), "unknown plane"),
+    (lambda o: _k(o).update(group_id="nowhere"), "unknown group"),
+    (lambda o: (_k(o).update(field_id=""), _unpartitioned(o, "layer.0.k")), "non-empty"),
+    (lambda o: (_k(o).update(shape=[]), _unpartitioned(o, "layer.0.k")), "shape"),
+    (lambda o: _k(o).update(shape=[0, 2, 2]), "shape"),
+    (lambda o: _k(o).update(field_offset_bytes=-1), "negative field offset"),
+    (lambda o: _k(o).update(page_stride_bytes=0), "positive page stride"),
+    (lambda o: _k(o).update(page_stride_bytes=-32), "positive page stride"),
+    (lambda o: _k(o).update(page_stride_bytes=16), "its pages overlap one another"),
+    (lambda o: _k(o).update(page_stride_bytes=64), "do not fit inside the layout"),
+    (lambda o: o["plan"].update(lcm_block_bytes=8), "do not fit inside the layout"),
+    (lambda o: o["plan"]["planes"][2].update(arena_offset_bytes=200), "do not fit"),
+    # Plane v moved 8 bytes into plane k: their fields' pages now share bytes.
+    (lambda o: o["plan"]["planes"][1].update(arena_offset_bytes=8), "share bytes"),
+    (lambda o: o["plan"]["fields"][2].update(plane_id="layer.0.k"), "share bytes"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "fragment"), LOCAL_ONLY_RULES)
+def test_checks_beyond_s1_bind_only_the_local_contract(mutate: Any, fragment: str) -> None:
     obj = wire(BASE)
     mutate(obj)
-    assert fragment in str(invalid_cause(obj))
+    for compat in (False, True):
+        parsed = parse_contract(dump(obj), compat=compat)
+        assert parse_contract(parsed.to_json(), compat=compat) == parsed
+    with pytest.raises(ContractError) as info:
+        check_local_contract(parsed)
+    message = str(info.value)
+    assert message.startswith(LOCAL_CONTRACT_PREFIX)
+    assert message.endswith("; fix the cache layout")
+    assert fragment in message
 
 
-def test_pages_must_fit_their_plane() -> None:
+def test_rules_that_stay_s1_refusals_on_every_contract() -> None:
     obj = wire(BASE)
-    # A stride larger than the plane's parent pushes the last page past the plane end.
-    field = obj["plan"]["fields"][0]
-    field["page_stride_bytes"] *= 2
-    assert "do not fit" in str(invalid_cause(obj))
+    _k(obj).update(shape=[4, 0, 2])  # the partition axis: no local extent to divide by
+    assert str(invalid_cause(obj)) == "cache field 'layer.0.k' has invalid partition geometry"
+    obj = wire(BASE)
+    _k(obj).update(shape=[])
+    assert "partition geometry" in str(invalid_cause(obj))
+
+
+def test_the_local_contracts_tspd_builds_pass_its_checks() -> None:
+    check_local_contract(BASE)
+    check_local_contract(two_group_contract(32, 0, 16))
+    check_local_contract(multi_layer_contract(layers=3, num_pages=5, heads=1, head_dim=8))
+    check_local_contract(simple_contract(num_pages=0, page_bytes=1))
+
+
+def _interleaved(*, k_offset: int = 0, v_offset: int = 32, v_field: int = 0) -> dict[str, Any]:
+    """TokenSpeed's interleaved planes: K and V planes both span every parent (64
+    bytes a parent), V's plane starting ``v_offset`` bytes into K's; each page slot
+    holds K's page then V's."""
+    obj = wire(simple_contract(num_pages=3, page_bytes=32))
+    plan = obj["plan"]
+    plan["lcm_block_bytes"] = 64
+    plan["planes"] = [
+        {"plane_id": "k", "bytes_per_lcm_block": 64, "arena_offset_bytes": k_offset},
+        {"plane_id": "v", "bytes_per_lcm_block": 64, "arena_offset_bytes": v_offset},
+    ]
+    kv = plan["fields"][0]
+    plan["fields"] = [
+        dict(kv, field_id="layer.0.k", plane_id="k", page_stride_bytes=64),
+        dict(
+            kv, field_id="layer.0.v", plane_id="v", page_stride_bytes=64, field_offset_bytes=v_field
+        ),
+    ]
+    return obj
+
+
+def test_interleaved_and_overlapping_planes_are_accepted_locally_and_from_peers() -> None:
+    # Planes overlap (v starts inside k; then both at offset 0) and v's plane ends
+    # past the layout, yet no two pages share a byte: S1 and tspd both accept.
+    packed_obj = _interleaved(v_offset=128)
+    for plane in packed_obj["plan"]["planes"]:
+        plane["bytes_per_lcm_block"] = 32
+    for field in packed_obj["plan"]["fields"]:
+        field["page_stride_bytes"] = 32
+    packed = parse_contract(dump(packed_obj))
+    check_local_contract(packed)
+    for obj in (_interleaved(), _interleaved(v_offset=0, v_field=32)):
+        contract = parse_contract(dump(obj))
+        check_local_contract(contract)
+        assert [contract.page_offset("layer.0.k", p) for p in (1, 2, 3)] == [64, 128, 192]
+        assert [contract.page_offset("layer.0.v", p) for p in (1, 2, 3)] == [96, 160, 224]
+        assert contract.arena_bytes == 256
+        validate_peer_layout(packed, contract)
+        validate_peer_layout(contract, packed)
+    # Fields of one plane at the same offset: a peer may say so, this rank may not.
+    clash = parse_contract(dump(_interleaved(v_offset=0)))
+    with pytest.raises(ContractError, match=r"'layer\.0\.k' and 'layer\.0\.v' share bytes"):
+        check_local_contract(clash)
+
+
+def test_only_pages_that_transfers_write_must_be_disjoint() -> None:
+    # V's plane starts at K's page 3, so V's null page (page 0) is K's page 3:
+    # transfers never write page 0, so nothing is shared.
+    obj = _interleaved(v_offset=192)
+    obj["plan"].update(lcm_block_bytes=128)
+    for plane in obj["plan"]["planes"]:
+        plane["bytes_per_lcm_block"] = 64
+    contract = parse_contract(dump(obj))
+    assert contract.page_offset("layer.0.v", 0) == contract.page_offset("layer.0.k", 3)
+    check_local_contract(contract)
+
+
+@st.composite
+def page_runs(draw: st.DrawFn) -> tuple[int, int, int, int]:
+    """(field offset, page stride, pages after the null page, payload bytes)."""
+    stride = draw(st.integers(1, 12))
+    return (draw(st.integers(0, 40)), stride, draw(st.integers(1, 6)), draw(st.integers(1, stride)))
+
+
+@given(page_runs(), page_runs())
+def test_shared_bytes_are_found_exactly(a: tuple[int, ...], b: tuple[int, ...]) -> None:
+    """Two fields of one plane, any strides and offsets: refused exactly when a page
+    (1 and up) of one shares a byte with a page of the other, counted byte by byte."""
+
+    def pages(start: int, stride: int, count: int, length: int) -> set[int]:
+        return {start + i * stride + n for i in range(count) for n in range(length)}
+
+    plan = CacheMemoryPlan(
+        prefix_granularity=1,
+        lcm_block_bytes=200,
+        num_lcm_blocks=1,
+        groups=(PlanGroup("a", a[2], a[2] + 1), PlanGroup("b", b[2], b[2] + 1)),
+        planes=(Plane("p", 200, 0),),
+        fields=tuple(
+            FieldSpec(gid, f"layer.0.{gid}", "p", (length,), "uint8", start, stride)
+            for gid, (start, stride, _, length) in (("a", a), ("b", b))
+        ),
+    )
+    contract = CacheContract(plan, (history_spec("a"), history_spec("b")))
+    # Page 1 of a field starts bytes_per_lcm_block + field offset into its plane.
+    shared = pages(200 + a[0], *a[1:]) & pages(200 + b[0], *b[1:])
+    if shared:
+        with pytest.raises(
+            ContractError,
+            match=r"^local cache transfer contract: cache fields 'layer\.0\.[ab]' and "
+            r"'layer\.0\.[ab]' share bytes",
+        ):
+            check_local_contract(contract)
+    else:
+        check_local_contract(contract)
+
+
+@pytest.mark.parametrize("page", [True, False, 1.0, "1", None, np.True_])
+def test_a_page_id_must_be_an_integer_not_a_bool(page: Any) -> None:
+    contract = two_group_contract(32, 0, 16)
+    with pytest.raises(PageIndexError) as info:
+        contract.page_offset("layer.0.kv", page)
+    assert str(info.value) == f"page_id {page} outside [0, 9) for group 'history'"
+    assert page_index(page) is None
+    numpy_page: Any = np.int64(1)
+    assert contract.page_offset("layer.0.kv", numpy_page) == contract.page_offset("layer.0.kv", 1)
+    assert page_index(np.int32(3)) == 3
 
 
 # --------------------------------------------------------------------- S3 / R extras
@@ -701,7 +879,7 @@ def test_compatible_peers_may_differ_in_capacity_and_tp() -> None:
 
 
 def _mismatch(local: CacheContract, peer: CacheContract) -> str:
-    with pytest.raises(PlanError) as info:
+    with pytest.raises(ContractError) as info:
         validate_peer_layout(local, peer)
     return str(info.value)
 
@@ -756,7 +934,8 @@ def test_peer_partition_presence_and_s1_prefix() -> None:
     local = _peer(heads=4, tp_size=1)
     unpartitioned = CacheContract(local.plan, local.group_specs, TransferSchema())
     with pytest.raises(
-        PlanError, match=r"^Paged cache P/D contract mismatch: field 'layer\.0\.k' semantics$"
+        ContractError,
+        match=r"^Paged cache P/D contract mismatch: field 'layer\.0\.k' semantics$",
     ):
         validate_peer_layout(local, unpartitioned, prefix=S1_PEER_PREFIX)
 
@@ -882,6 +1061,7 @@ def test_compat_round_trip(contract: CacheContract) -> None:
 
 @given(contracts())
 def test_every_page_of_every_field_stays_in_its_plane(contract: CacheContract) -> None:
+    check_local_contract(contract)  # packed planes, back to back: a tidy local contract
     layout_bytes = (contract.plan.num_lcm_blocks + 1) * contract.plan.lcm_block_bytes
     for f in contract.plan.fields:
         plane = contract.plane(f.plane_id)

@@ -10,6 +10,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -470,6 +471,21 @@ def test_planning_errors() -> None:
     )
     assert plan_error(src_base=-1).startswith("source arena [")
     assert plan_error(dst_base=1 << 62).startswith("destination arena [")
+
+
+@pytest.mark.parametrize("bad", [True, False, np.True_])
+def test_a_bool_is_not_a_block_id(bad: object) -> None:
+    # numpy would read it as 0 or 1; it is refused like an id out of range.
+    for where in ("source", "destination"):
+        blocks: Any = [1, bad]
+        kw: dict[str, Any] = (
+            {"source": manifest(full=blocks, swa=[7])}
+            if where == "source"
+            else {"dst_manifest": manifest(full=blocks, swa=[5])}
+        )
+        assert plan_error(**kw) == (
+            f"{where} blocks of cache group 'full' are not all 64-bit integers"
+        )
 
 
 def test_a_fragment_leaving_the_destination_arena_is_refused() -> None:

@@ -386,6 +386,21 @@ def test_build_manifest_rules(
     assert str(info.value) == message
 
 
+@pytest.mark.parametrize("bad", [True, np.True_])
+def test_a_bool_is_not_a_block_id(bad: object) -> None:
+    # int(True) == 1, a valid page; a bool is refused like an id out of range.
+    tables: Any = {"kv": [1, bad, 3], "state": [1, 2, 3]}
+    with pytest.raises(ContractError) as info:
+        build_manifest(CONTRACT, tables, 0, 10)
+    assert str(info.value) == f"table 'kv' logical slot 1 has invalid block ID {bad}"
+    assert build_manifest(CONTRACT, {"kv": np.array([1, 2, 3]), "state": [1, 2, 3]}, 0, 10) == (
+        manifest((1, 2, 3), (3,), 0, 10)
+    )
+    blocks: Any = (1, bad, 3)
+    with pytest.raises(ContractError, match=r"^destination manifest group 'kv' has an out-of"):
+        validate_manifest(manifest(blocks, (4,), 0, 10), CONTRACT, "destination")
+
+
 def test_padding_outside_the_window_is_not_read() -> None:
     # Slots before the window (Decode's prefix) may hold padding.
     assert build_manifest(CONTRACT, {"kv": [-1, 0, 3], "state": [0, 0, 5]}, 8, 10) == manifest(

@@ -21,7 +21,7 @@ from tspd.core.contract import (
     PlanGroup,
     TransferSchema,
 )
-from tspd.core.errors import PlanError
+from tspd.core.errors import ContractError, PlanError
 from tspd.core.planner import (
     FanoutMember,
     Fragment,
@@ -255,10 +255,13 @@ def test_tp_sizes_are_bounded() -> None:
 
 
 def test_incompatible_peers_are_refused_with_the_peer_check_message() -> None:
+    # A contract error (TokenSpeed's CacheContractError), not a planning error: code
+    # that catches contract errors catches an incompatible peer too.
     a = k_and_latent((2, 4, 2))
     b = contract([("full", "layer.0.k", (2, 4, 2), "float32")], {"layer.0.k": Partition(1, 4)})
-    with pytest.raises(PlanError, match=r"^Cache P/D contract mismatch: "):
+    with pytest.raises(ContractError, match=r"^Cache P/D contract mismatch: ") as caught:
         RoutePlanner(1, 1, a, b)
+    assert not isinstance(caught.value, PlanError)
     c = contract(
         [
             ("full", "layer.0.k", (2, 4, 2), "bfloat16"),
@@ -267,15 +270,24 @@ def test_incompatible_peers_are_refused_with_the_peer_check_message() -> None:
         {"layer.0.k": Partition(1, 4)},
         prefix_granularity=2,
     )
-    with pytest.raises(PlanError, match=r"^Cache P/D contract mismatch: prefix_granularity$"):
+    with pytest.raises(ContractError, match=r"^Cache P/D contract mismatch: prefix_granularity$"):
         RoutePlanner(1, 1, a, c)
+    with pytest.raises(ContractError, match=r"^Cache P/D contract mismatch: prefix_granularity$"):
+        plan_registration(
+            prefill_tp=1,
+            prefill_rank=0,
+            prefill_contract=a,
+            decode_tp=1,
+            decode_rank=0,
+            decode_contract=c,
+        )
 
 
 def test_equal_tp_requires_identical_local_geometry() -> None:
     # Same global shape (4 heads) but local extents differ: valid for TP1->TP2,
     # not for equal TP.
     with pytest.raises(
-        PlanError, match=r"^equal-TP Cache field 'layer.0.k' rank-local geometry differs$"
+        ContractError, match=r"^equal-TP Cache field 'layer.0.k' rank-local geometry differs$"
     ):
         RoutePlanner(2, 2, k_and_latent((2, 4, 2)), k_and_latent((2, 2, 2)))
 

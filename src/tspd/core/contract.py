@@ -8,29 +8,39 @@ parallel-info reply, so its canonical serialisation is part of the wire: two
 Prefill ranks are compatible iff their contracts are equal as parsed objects, and a
 re-serialised contract must be byte-identical to the one TokenSpeed would emit.
 
-The value types validate themselves on construction (raising :class:`ContractError`
-with a specific message); :func:`parse_contract` wraps every decoding or validation
-failure as ``"invalid cache transfer contract"`` with the specific error chained, as
-the specification requires (§5.2).
+The value types validate on construction exactly what TokenSpeed (S1) validates
+(§5.2: dtypes, group-spec geometry, the transfer schema), raising
+:class:`ContractError` with a specific message; :func:`parse_contract` wraps every
+decoding or validation failure as ``"invalid cache transfer contract"`` with the
+specific error chained, as the specification requires. A peer's contract describes
+the peer's memory, so anything S1 accepts is accepted from a peer: planes may
+overlap or interleave, strides and counts need not agree. The checks tspd adds on
+top apply only to this rank's own contract, through :func:`check_local_contract`
+(called by the Prefill and Decode configurations); the copy planner
+(:mod:`tspd.core.copies`) bounds-checks every copy against both registered arenas
+whatever a peer's contract says.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
+import operator
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar, cast
 
-from tspd.core.errors import ContractError, PlanError
+from tspd.core.errors import ContractError
 
 __all__ = [
     "DEFAULT_PEER_PREFIX",
     "DTYPE_WIDTHS",
     "FAMILIES",
+    "LOCAL_CONTRACT_PREFIX",
+    "MAX_ARENA_BYTES",
     "MAX_CONTRACT_BYTES",
     "MAX_GLOBAL_PARTS",
     "RETENTIONS",
@@ -45,7 +55,10 @@ __all__ = [
     "PlanGroup",
     "Plane",
     "TransferSchema",
+    "check_local_contract",
     "dtype_width",
+    "is_bool",
+    "page_index",
     "parse_contract",
     "validate_peer_layout",
 ]
@@ -61,6 +74,13 @@ DEFAULT_PEER_PREFIX: Final = "Cache P/D contract mismatch: "
 
 S1_PEER_PREFIX: Final = "Paged cache P/D contract mismatch: "
 """The S1 prefix of peer-compatibility errors (§5.3)."""
+
+LOCAL_CONTRACT_PREFIX: Final = "local cache transfer contract: "
+"""The prefix of every :func:`check_local_contract` error."""
+
+MAX_ARENA_BYTES: Final = 1 << 62
+"""Largest layout :func:`check_local_contract` accepts: the copy planner's address
+bound (:data:`tspd.core.copies.MAX_ADDRESS`)."""
 
 DTYPE_WIDTHS: Final[Mapping[str, int]] = {
     "uint8": 1,
@@ -93,6 +113,27 @@ class PageIndexError(ContractError, IndexError):
     """A page id lies outside its group's pages (TokenSpeed raises ``IndexError``)."""
 
 
+def is_bool(value: object) -> bool:
+    """Whether ``value`` is a ``bool``, Python's or numpy's: never a page or block
+    id, whatever ``int(True)`` says."""
+    if isinstance(value, bool):
+        return True
+    numpy = sys.modules.get("numpy")  # a numpy bool implies numpy is loaded
+    return numpy is not None and isinstance(value, numpy.bool_)
+
+
+def page_index(value: object) -> int | None:
+    """``value`` as a page or block id, or ``None`` when it is not one: a bool
+    (:func:`is_bool`) is not, an integer of any kind with ``__index__`` (numpy's
+    included) is."""
+    if is_bool(value):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def dtype_width(dtype: str) -> int:
     """Bytes per element of ``dtype``; an unknown name is a :class:`ContractError`."""
     try:
@@ -117,13 +158,6 @@ class PlanGroup:
     cache_blocks_per_lcm_block: int
     page_count: int
 
-    def __post_init__(self) -> None:
-        _require(self.group_id != "", "cache plan group IDs must be non-empty")
-        _require(
-            self.cache_blocks_per_lcm_block > 0,
-            f"cache plan group {self.group_id!r} needs a positive cache_blocks_per_lcm_block",
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class Plane:
@@ -133,17 +167,6 @@ class Plane:
     plane_id: str
     bytes_per_lcm_block: int
     arena_offset_bytes: int
-
-    def __post_init__(self) -> None:
-        _require(self.plane_id != "", "cache plane IDs must be non-empty")
-        _require(
-            self.bytes_per_lcm_block > 0,
-            f"cache plane {self.plane_id!r} needs a positive bytes_per_lcm_block",
-        )
-        _require(
-            self.arena_offset_bytes >= 0,
-            f"cache plane {self.plane_id!r} has a negative arena offset",
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,20 +183,7 @@ class FieldSpec:
     page_stride_bytes: int
 
     def __post_init__(self) -> None:
-        _require(self.field_id != "", "cache field IDs must be non-empty")
         dtype_width(self.dtype)
-        _require(
-            len(self.shape) > 0 and all(extent > 0 for extent in self.shape),
-            f"cache field {self.field_id!r} needs a non-empty shape of positive extents",
-        )
-        _require(
-            self.field_offset_bytes >= 0,
-            f"cache field {self.field_id!r} has a negative field offset",
-        )
-        _require(
-            self.page_stride_bytes > 0,
-            f"cache field {self.field_id!r} needs a positive page stride",
-        )
 
     @property
     def dtype_width(self) -> int:
@@ -198,7 +208,11 @@ class FieldSpec:
 
 @dataclass(frozen=True, slots=True)
 class CacheMemoryPlan:
-    """The arena's physical byte geometry (TokenSpeed's ``CacheMemoryPlan``)."""
+    """The arena's physical byte geometry (TokenSpeed's ``CacheMemoryPlan``).
+
+    Like TokenSpeed, construction accepts any geometry (a peer's plan describes the
+    peer's memory); :func:`check_local_contract` holds this rank's own plan to
+    tspd's rules."""
 
     prefix_granularity: int
     lcm_block_bytes: int
@@ -207,80 +221,6 @@ class CacheMemoryPlan:
     planes: tuple[Plane, ...]
     fields: tuple[FieldSpec, ...]
     resident_block_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        _require(self.prefix_granularity > 0, "cache plan prefix_granularity must be positive")
-        _require(self.lcm_block_bytes > 0, "cache plan lcm_block_bytes must be positive")
-        _require(self.num_lcm_blocks >= 0, "cache plan num_lcm_blocks must not be negative")
-        if self.resident_block_bytes is not None:
-            _require(
-                0 < self.resident_block_bytes <= self.lcm_block_bytes,
-                "cache plan resident_block_bytes must be in [1, lcm_block_bytes]",
-            )
-        _require(len(self.groups) > 0, "cache plan needs at least one page group")
-        _unique([g.group_id for g in self.groups], "cache plan group")
-        _unique([p.plane_id for p in self.planes], "cache plane")
-        _unique([f.field_id for f in self.fields], "cache field")
-        parents = self.num_lcm_blocks + 1
-        for group in self.groups:
-            expected = 1 + self.num_lcm_blocks * group.cache_blocks_per_lcm_block
-            _require(
-                group.page_count == expected,
-                f"cache plan group {group.group_id!r} has page_count {group.page_count}; "
-                f"1 + num_lcm_blocks * cache_blocks_per_lcm_block = {expected}",
-            )
-        ordered = sorted(self.planes, key=lambda p: p.arena_offset_bytes)
-        for before, after in itertools.pairwise(ordered):
-            _require(
-                before.arena_offset_bytes + parents * before.bytes_per_lcm_block
-                <= after.arena_offset_bytes,
-                f"cache planes {before.plane_id!r} and {after.plane_id!r} overlap",
-            )
-        layout_bytes = parents * self.lcm_block_bytes
-        for p in ordered:
-            _require(
-                p.arena_offset_bytes + parents * p.bytes_per_lcm_block <= layout_bytes,
-                f"cache plane {p.plane_id!r} ends past the arena "
-                f"((num_lcm_blocks + 1) * lcm_block_bytes = {layout_bytes})",
-            )
-        groups = {g.group_id: g for g in self.groups}
-        planes = {p.plane_id: p for p in self.planes}
-        for f in self.fields:
-            owner = groups.get(f.group_id)
-            if owner is None:
-                raise ContractError(
-                    f"cache field {f.field_id!r} names unknown group {f.group_id!r}"
-                )
-            home = planes.get(f.plane_id)
-            if home is None:
-                raise ContractError(
-                    f"cache field {f.field_id!r} names unknown plane {f.plane_id!r}"
-                )
-            _check_field_span(f, owner, home, parents)
-
-
-def _check_field_span(f: FieldSpec, group: PlanGroup, plane: Plane, parents: int) -> None:
-    """Every page of ``f`` (the null page included) must lie inside its plane, and a
-    page's payload inside its page slot."""
-    _require(
-        f.field_offset_bytes + f.payload_bytes <= f.page_stride_bytes,
-        f"cache field {f.field_id!r} payload ({f.payload_bytes} bytes at offset "
-        f"{f.field_offset_bytes}) overflows its page stride {f.page_stride_bytes}",
-    )
-    first = plane.bytes_per_lcm_block - f.page_stride_bytes + f.field_offset_bytes
-    last_end = first + (group.page_count - 1) * f.page_stride_bytes + f.payload_bytes
-    plane_bytes = plane.bytes_per_lcm_block * parents
-    _require(
-        first >= 0 and last_end <= plane_bytes,
-        f"cache field {f.field_id!r} pages do not fit inside plane {plane.plane_id!r}",
-    )
-
-
-def _unique(ids: Sequence[str], what: str) -> None:
-    seen: set[str] = set()
-    for ident in ids:
-        _require(ident not in seen, f"{what} ID {ident!r} is duplicated")
-        seen.add(ident)
 
 
 # --------------------------------------------------------------------------- specs
@@ -309,7 +249,6 @@ class GroupSpec:
 
     def __post_init__(self) -> None:
         gid = self.group_id
-        _require(gid != "", "cache group spec IDs must be non-empty")
         _require(self.retention in RETENTIONS, f"cache group {gid!r} has an unknown retention")
         _require(self.family in FAMILIES, f"cache group {gid!r} has an unknown family")
         _require(
@@ -337,16 +276,6 @@ class GroupSpec:
         ):
             value = getattr(self, name)
             _require(value is None or value > 0, f"cache group {gid!r} {name} must be positive")
-        if self.retention == "sliding_window":
-            _require(
-                self.sliding_window_tokens is not None,
-                f"sliding cache group {gid!r} needs sliding_window_tokens",
-            )
-        else:
-            _require(
-                self.sliding_window_tokens is None,
-                f"full-history cache group {gid!r} cannot have sliding_window_tokens",
-            )
         _require(
             self.replayable is not True or self.retention == "sliding_window",
             f"cache group {gid!r} is replayable but not sliding",
@@ -406,7 +335,7 @@ class TransferSchema:
 
 def _check_partition(f: FieldSpec, p: Partition) -> None:
     fid = f.field_id
-    if not 0 <= p.axis < len(f.shape) or p.global_extent < f.shape[p.axis]:
+    if not 0 <= p.axis < len(f.shape) or f.shape[p.axis] <= 0 or p.global_extent < f.shape[p.axis]:
         raise ContractError(f"cache field {fid!r} has invalid partition geometry")
     local = f.shape[p.axis]
     if p.global_extent % local != 0:
@@ -441,8 +370,10 @@ class CacheContract:
     """One rank's cache transfer contract (spec §5.1).
 
     ``group_specs`` are in *group order*: the order every manifest and selection
-    follows. Construction validates the whole tree; :meth:`to_json` is the canonical
-    wire form and :func:`parse_contract` its inverse.
+    follows. Construction validates what TokenSpeed validates (§5.2), so a peer's
+    contract is accepted whenever S1 would accept it; :func:`check_local_contract`
+    adds tspd's checks for this rank's own contract. :meth:`to_json` is the
+    canonical wire form and :func:`parse_contract` its inverse.
     """
 
     plan: CacheMemoryPlan
@@ -452,13 +383,7 @@ class CacheContract:
 
     def __post_init__(self) -> None:
         specs = {s.group_id: s for s in self.group_specs}
-        _require(len(specs) == len(self.group_specs), "cache group specs repeat a group ID")
         plan_groups = {g.group_id: g for g in self.plan.groups}
-        _require(
-            set(specs) == set(plan_groups),
-            f"cache group specs {sorted(specs)} disagree with the plan's groups "
-            f"{sorted(plan_groups)}",
-        )
         fields = {f.field_id: f for f in self.plan.fields}
         unknown = sorted({fid for fid, _ in self.transfer_schema.fields} - set(fields))
         if unknown:
@@ -556,15 +481,18 @@ class CacheContract:
 
         Page 1 starts right after the plane's null parent. A :class:`FieldSpec` is
         resolved by its id, so a peer's field of the same id gets this contract's
-        plane, stride and offset.
+        plane, stride and offset. A page id that is not an integer (a ``bool``
+        included) is out of range like any other.
         """
         fid = f if isinstance(f, str) else f.field_id
         spec = self._index.fields.get(fid)
         if spec is None:
             raise ContractError(f"cache contract has no field {fid!r}")
         pages = self.plan_group(spec.group_id).page_count
-        if not 0 <= page < pages:
+        index = page_index(page)
+        if index is None or not 0 <= index < pages:
             raise PageIndexError(f"page_id {page} outside [0, {pages}) for group {spec.group_id!r}")
+        page = index
         plane = self.plane(spec.plane_id)
         stride = spec.page_stride_bytes
         return (
@@ -668,6 +596,190 @@ def _spec_object(s: GroupSpec) -> dict[str, Any]:
     return obj
 
 
+# ------------------------------------------------------------------ local checks
+
+
+def check_local_contract(contract: CacheContract) -> None:
+    """Refuse this rank's *own* contract when tspd could not serve it safely.
+
+    TokenSpeed checks none of this (§5.2), and a peer's contract is never held to
+    it: a peer's contract describes the peer's memory, and every copy is
+    bounds-checked against both registered arenas before it is written. This
+    rank's contract describes memory tspd registers, fills and receives into, so
+    here tspd insists on:
+
+    * positive ``prefix_granularity`` and ``lcm_block_bytes``, non-negative
+      ``num_lcm_blocks``, ``resident_block_bytes`` (when set) within
+      ``[1, lcm_block_bytes]``, a layout of at most :data:`MAX_ARENA_BYTES`, at
+      least one page group;
+    * non-empty, unique ids (plan groups, planes, fields, group specs), group specs
+      naming exactly the plan's groups, every field naming a known group and plane;
+    * a sliding group with ``sliding_window_tokens``, a full-history group without;
+    * a positive ``cache_blocks_per_lcm_block`` and
+      ``page_count == 1 + num_lcm_blocks * cache_blocks_per_lcm_block``; a positive
+      ``bytes_per_lcm_block`` and a non-negative plane offset; a non-empty shape of
+      positive extents, a non-negative field offset and a positive page stride;
+    * every page of every field (the null page included) inside the layout,
+      ``[0, (num_lcm_blocks + 1) * lcm_block_bytes)``;
+    * no byte shared by two pages that transfers write (pages 1 and up), within a
+      field (a payload larger than its stride) or across fields.
+
+    Planes may overlap or interleave, and a field may reach past its plane or its
+    page slot: TokenSpeed's own layouts do, and only the fields' bytes matter.
+    Raises :class:`ContractError` prefixed with :data:`LOCAL_CONTRACT_PREFIX`.
+    """
+    try:
+        _check_local(contract)
+    except ContractError as err:
+        raise ContractError(f"{LOCAL_CONTRACT_PREFIX}{err}; fix the cache layout") from None
+
+
+def _check_local(contract: CacheContract) -> None:
+    plan = contract.plan
+    _require(plan.prefix_granularity > 0, "cache plan prefix_granularity must be positive")
+    _require(plan.lcm_block_bytes > 0, "cache plan lcm_block_bytes must be positive")
+    _require(plan.num_lcm_blocks >= 0, "cache plan num_lcm_blocks must not be negative")
+    if plan.resident_block_bytes is not None:
+        _require(
+            0 < plan.resident_block_bytes <= plan.lcm_block_bytes,
+            "cache plan resident_block_bytes must be in [1, lcm_block_bytes]",
+        )
+    layout_bytes = (plan.num_lcm_blocks + 1) * plan.lcm_block_bytes
+    _require(
+        layout_bytes <= MAX_ARENA_BYTES,
+        f"cache layout of {layout_bytes} bytes exceeds the {MAX_ARENA_BYTES} tspd can address",
+    )
+    _require(len(plan.groups) > 0, "cache plan needs at least one page group")
+    _unique([g.group_id for g in plan.groups], "cache plan group")
+    _unique([p.plane_id for p in plan.planes], "cache plane")
+    _unique([f.field_id for f in plan.fields], "cache field")
+    _unique([s.group_id for s in contract.group_specs], "cache group spec")
+    specs = {s.group_id for s in contract.group_specs}
+    groups = {g.group_id: g for g in plan.groups}
+    _require(
+        specs == set(groups),
+        f"cache group specs {sorted(specs)} disagree with the plan's groups {sorted(groups)}",
+    )
+    for spec in contract.group_specs:
+        if spec.is_sliding:
+            _require(
+                spec.sliding_window_tokens is not None,
+                f"sliding cache group {spec.group_id!r} needs sliding_window_tokens",
+            )
+        else:
+            _require(
+                spec.sliding_window_tokens is None,
+                f"full-history cache group {spec.group_id!r} cannot have sliding_window_tokens",
+            )
+    for group in plan.groups:
+        _require(
+            group.cache_blocks_per_lcm_block > 0,
+            f"cache plan group {group.group_id!r} needs a positive cache_blocks_per_lcm_block",
+        )
+        expected = 1 + plan.num_lcm_blocks * group.cache_blocks_per_lcm_block
+        _require(
+            group.page_count == expected,
+            f"cache plan group {group.group_id!r} has page_count {group.page_count}; "
+            f"1 + num_lcm_blocks * cache_blocks_per_lcm_block = {expected}",
+        )
+    for plane in plan.planes:
+        _require(
+            plane.bytes_per_lcm_block > 0,
+            f"cache plane {plane.plane_id!r} needs a positive bytes_per_lcm_block",
+        )
+        _require(
+            plane.arena_offset_bytes >= 0,
+            f"cache plane {plane.plane_id!r} has a negative arena offset",
+        )
+    planes = {p.plane_id for p in plan.planes}
+    runs: list[_PageRun] = []
+    for f in plan.fields:
+        fid = f.field_id
+        _require(f.group_id in groups, f"cache field {fid!r} names unknown group {f.group_id!r}")
+        _require(f.plane_id in planes, f"cache field {fid!r} names unknown plane {f.plane_id!r}")
+        _require(
+            len(f.shape) > 0 and all(extent > 0 for extent in f.shape),
+            f"cache field {fid!r} needs a non-empty shape of positive extents",
+        )
+        _require(f.field_offset_bytes >= 0, f"cache field {fid!r} has a negative field offset")
+        _require(f.page_stride_bytes > 0, f"cache field {fid!r} needs a positive page stride")
+        _require(
+            f.payload_bytes <= f.page_stride_bytes,
+            f"cache field {fid!r} payload ({f.payload_bytes} bytes) is larger than its page "
+            f"stride ({f.page_stride_bytes} bytes), so its pages overlap one another",
+        )
+        pages = groups[f.group_id].page_count
+        first = contract.page_offset(f, 0)
+        last_end = first + (pages - 1) * f.page_stride_bytes + f.payload_bytes
+        _require(
+            first >= 0 and last_end <= layout_bytes,
+            f"cache field {fid!r} pages do not fit inside the layout "
+            f"((num_lcm_blocks + 1) * lcm_block_bytes = {layout_bytes} bytes)",
+        )
+        if pages > 1:
+            start = first + f.page_stride_bytes
+            runs.append(_PageRun(fid, start, f.page_stride_bytes, pages - 1, f.payload_bytes))
+    _check_disjoint(runs)
+
+
+@dataclass(frozen=True, slots=True)
+class _PageRun:
+    """Pages 1 and up of one field: ``count`` pages of ``length`` bytes, the first
+    at ``start``, one every ``stride`` bytes (``0 < length <= stride``)."""
+
+    field_id: str
+    start: int
+    stride: int
+    count: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + (self.count - 1) * self.stride + self.length
+
+
+def _check_disjoint(runs: Sequence[_PageRun]) -> None:
+    """Refuse two fields whose transferred pages share a byte. The sweep compares
+    only fields whose spans meet (none when planes lie back to back); interleaved
+    fields of equal stride cost O(1) a pair."""
+    active: list[_PageRun] = []
+    for run in sorted(runs, key=lambda r: r.start):
+        active = [a for a in active if a.end > run.start]
+        for other in active:
+            if _runs_meet(other, run):
+                raise ContractError(
+                    f"cache fields {other.field_id!r} and {run.field_id!r} share bytes, so "
+                    "a transfer into one would overwrite the other"
+                )
+        active.append(run)
+
+
+def _runs_meet(a: _PageRun, b: _PageRun) -> bool:
+    """Whether a page of ``a`` and a page of ``b`` share a byte."""
+    if a.stride == b.stride:
+        # Page i of a meets page j of b iff k = i - j, in [1 - b.count, a.count - 1],
+        # has d - a.length < k * stride < d + b.length (d = b.start - a.start); the
+        # smallest k above the lower bound decides.
+        d, stride = b.start - a.start, a.stride
+        k = max((d - a.length) // stride + 1, 1 - b.count)
+        return k <= a.count - 1 and k * stride < d + b.length
+    # Otherwise, per page of a: the first page of b ending after the page's start is
+    # the first that can meet it (b's pages do not overlap one another).
+    import numpy as np  # only here: parsing a contract does not need numpy
+
+    x = a.start + np.arange(a.count, dtype=np.int64) * a.stride
+    j = np.maximum((x - b.start - b.length) // b.stride + 1, 0)
+    return bool(np.any((j < b.count) & (b.start + j * b.stride < x + a.length)))
+
+
+def _unique(ids: Sequence[str], what: str) -> None:
+    seen: set[str] = set()
+    for ident in ids:
+        _require(ident != "", f"{what} IDs must be non-empty")
+        _require(ident not in seen, f"{what} ID {ident!r} is duplicated")
+        seen.add(ident)
+
+
 # --------------------------------------------------------------------------- parsing
 
 
@@ -683,10 +795,15 @@ def _reject_constant(name: str) -> Any:
 def parse_contract(data: bytes | str, *, compat: bool = False) -> CacheContract:
     """Decode and validate a contract payload (spec §5.2).
 
-    Unknown keys at the top level and directly inside ``plan`` are ignored; an unknown
-    key inside any entry is invalid. ``compat=True`` additionally accepts the S3 group
-    spec keys ``replayable`` and ``shard_count`` (§14.3). Every failure is a
-    :class:`ContractError` carrying the specification's message.
+    Unknown keys at the top level and directly inside ``plan`` and
+    ``transfer_schema`` are ignored (and dropped from :meth:`CacheContract.to_json`);
+    an unknown key inside any entry is invalid. ``compat=True`` additionally accepts
+    the S3 group spec keys ``replayable`` and ``shard_count`` (§14.3). Every failure
+    is a :class:`ContractError` carrying the specification's message.
+
+    Only what S1 checks is checked, so a peer's contract is accepted whenever
+    TokenSpeed would accept it (overlapping or interleaved planes included); hold
+    this rank's own contract to :func:`check_local_contract` as well.
     """
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if not 0 < len(raw) <= MAX_CONTRACT_BYTES:
@@ -727,21 +844,30 @@ def _contract_from(tree: dict[str, Any], *, compat: bool) -> CacheContract:
         groups=_entries(plan, "groups", _plan_group),
         planes=_entries(plan, "planes", _plane),
         fields=_entries(plan, "fields", _field),
-        resident_block_bytes=_opt_int(plan.get("resident_block_bytes"), "resident_block_bytes"),
+        resident_block_bytes=_resident(plan.get("resident_block_bytes")),
     )
     specs = tuple(
         _group_spec(entry, f"group_specs[{i}]", compat=compat)
         for i, entry in enumerate(_list(_key(tree, "group_specs", "contract"), "group_specs"))
     )
     schema = _obj(_key(tree, "transfer_schema", "contract"), "transfer_schema")
-    _exact_keys(schema, ("fields",), "transfer_schema")
+    # Like the top level and ``plan``, unknown keys here are read past (and dropped
+    # from the canonical form); only the entries are built by keyword.
     partitions = tuple(
         _partitioned(entry, f"transfer_schema.fields[{i}]")
-        for i, entry in enumerate(_list(schema["fields"], "transfer_schema.fields"))
+        for i, entry in enumerate(
+            _list(_key(schema, "fields", "transfer_schema"), "transfer_schema.fields")
+        )
     )
     return CacheContract(
         plan=plan_obj, group_specs=specs, transfer_schema=TransferSchema(partitions)
     )
+
+
+def _resident(value: Any) -> int | None:
+    """``plan.resident_block_bytes`` (S3/R): S1 does not read the key at all, so a
+    value that is not an integer is ignored as if absent rather than refused."""
+    return value if type(value) is int else None
 
 
 def _plan_group(entry: dict[str, Any], where: str) -> PlanGroup:
@@ -915,27 +1041,28 @@ def validate_peer_layout(
 
     Capacity, packing, plane offsets, strides and arena sizes may differ; the
     token grain, group order and semantics, field pairing, dtypes, partitions and
-    global shapes may not. ``shard_count`` is deliberately not compared.
+    global shapes may not. ``shard_count`` is deliberately not compared. A mismatch
+    is a :class:`ContractError` (TokenSpeed's ``CacheContractError``).
     """
     if local.plan.prefix_granularity != peer.plan.prefix_granularity:
-        raise PlanError(prefix + "prefix_granularity")
+        raise ContractError(prefix + "prefix_granularity")
     if local.group_ids != peer.group_ids:
-        raise PlanError(prefix + "group order")
+        raise ContractError(prefix + "group order")
     for mine, theirs in zip(local.group_specs, peer.group_specs, strict=True):
         gid = mine.group_id
         if _semantics(mine) != _semantics(theirs):
-            raise PlanError(prefix + f"group {gid!r} semantics")
+            raise ContractError(prefix + f"group {gid!r} semantics")
         my_fields = local.fields_for_group(gid)
         peer_fields = peer.fields_for_group(gid)
         if [f.field_id for f in my_fields] != [f.field_id for f in peer_fields]:
-            raise PlanError(prefix + f"group {gid!r} transfer field order")
+            raise ContractError(prefix + f"group {gid!r} transfer field order")
         for a, b in zip(my_fields, peer_fields, strict=True):
             if (
                 a.dtype != b.dtype
                 or local.partition_of(a.field_id) != peer.partition_of(b.field_id)
                 or local.global_shape(a) != peer.global_shape(b)
             ):
-                raise PlanError(prefix + f"field {a.field_id!r} semantics")
+                raise ContractError(prefix + f"field {a.field_id!r} semantics")
 
 
 def _semantics(s: GroupSpec) -> tuple[object, ...]:

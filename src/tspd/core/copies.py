@@ -251,9 +251,16 @@ class _GroupPages:
     dst_pages: Int64Array
 
 
+#: Element types that are not block ids, though numpy reads them as 0 and 1.
+_NOT_IDS: frozenset[type] = frozenset((bool, np.bool_))
+
+
 def _ids(ids: Sequence[int], *, what: str, group_id: str) -> Int64Array:
-    """Block ids or positions as an int64 array (a value beyond int64 is refused)."""
+    """Block ids or positions as an int64 array (a value beyond int64 is refused, and
+    so is a ``bool``, which numpy would silently read as 0 or 1)."""
     try:
+        if not _NOT_IDS.isdisjoint(map(type, ids)):
+            raise TypeError("a bool is not a block id")
         return np.asarray(ids, dtype=np.int64).reshape(-1)
     except (OverflowError, TypeError, ValueError):
         raise PlanError(f"{what} of cache group {group_id!r} are not all 64-bit integers") from None
@@ -366,7 +373,9 @@ def _lanes(
 ) -> list[_Lane]:
     """The lanes of one group for one step, in §6.7 order (fragments in registration
     order, else the group's fields sorted by id). Both planning paths share this, so
-    they copy with the same offsets and strides."""
+    they copy with the same offsets and strides. Each lane is checked to stay within
+    :data:`MAX_ADDRESS` over all of its group's pages on both sides (a peer's
+    contract may describe any geometry), so no int64 arithmetic downstream wraps."""
     lanes: list[_Lane] = []
     if by_group is not None:
         for fragment in by_group.get(group_id, ()):
@@ -403,6 +412,25 @@ def _lanes(
                     src_field.payload_bytes,
                 )
             )
+    src_pages = src_contract.page_count(group_id)
+    dst_pages = dst_contract.page_count(group_id)
+    for lane in lanes:
+        src_start, src_stride, dst_start, dst_stride, rows, srs, drs, length = lane
+        for side, start, stride, pages, row_stride in (
+            ("source", src_start, src_stride, src_pages, srs),
+            ("destination", dst_start, dst_stride, dst_pages, drs),
+        ):
+            reach = (
+                abs(start)
+                + max(pages - 1, 0) * abs(stride)
+                + max(rows - 1, 0) * abs(row_stride)
+                + abs(length)
+            )
+            if reach > MAX_ADDRESS:
+                raise PlanError(
+                    f"the {side} contract's pages of cache group {group_id!r} reach past "
+                    f"address {MAX_ADDRESS:#x}; no copy can be planned and nothing was written"
+                )
     return lanes
 
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from tspd.core.contract import CacheContract, GroupSpec
+from tspd.core.contract import CacheContract, GroupSpec, is_bool
 from tspd.core.errors import ContractError
 
 __all__ = [
@@ -198,7 +198,7 @@ def validate_manifest(manifest: BlockManifest, contract: CacheContract, peer: Pe
                 f"{peer} manifest group {gid!r} block count disagrees with its transfer policy"
             )
         bound = contract.virtual_block_count(gid)
-        if any(not 0 < block < bound for block in group.block_ids):
+        if any(is_bool(block) or not 0 < block < bound for block in group.block_ids):
             raise ContractError(f"{peer} manifest group {gid!r} has an out-of-bounds block")
 
 
@@ -240,9 +240,11 @@ def _read(
     bound = contract.virtual_block_count(gid)
     ids = []
     for slot in slots:
-        block = int(table[slot])
-        if not 0 < block < bound:
-            raise ContractError(f"table {gid!r} logical slot {slot} has invalid block ID {block}")
+        raw = table[slot]
+        # Any integer the table holds (numpy's, a tensor's); never a bool.
+        block = None if is_bool(raw) else int(raw)
+        if block is None or not 0 < block < bound:
+            raise ContractError(f"table {gid!r} logical slot {slot} has invalid block ID {raw}")
         ids.append(block)
     return tuple(ids)
 

@@ -24,7 +24,7 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from tspd.core.contract import CacheContract, FieldSpec, Partition, validate_peer_layout
-from tspd.core.errors import PlanError
+from tspd.core.errors import ContractError, PlanError
 
 __all__ = [
     "MAX_TP_SIZE",
@@ -197,9 +197,10 @@ class RoutePlanner:
     """Routes between a Prefill TP group of ``prefill_tp`` ranks and a Decode TP
     group of ``decode_tp`` ranks, validated once (§6.1) and cached per Decode rank.
 
-    Raises :class:`PlanError` when the peers cannot exchange caches: bad TP sizes,
-    incompatible contracts (§5.3), a partition that does not map onto a TP size, or
-    an unsupported DCP sharding.
+    Raises :class:`ContractError` when the two contracts are incompatible (§5.3,
+    or different rank-local field geometry at equal TP sizes) and :class:`PlanError`
+    when the peers cannot exchange caches otherwise: bad TP sizes, a partition that
+    does not map onto a TP size, or an unsupported DCP sharding.
     """
 
     def __init__(
@@ -232,7 +233,7 @@ class RoutePlanner:
         if prefill_tp == decode_tp:
             for local, peer in pairs:
                 if local.shape != peer.shape or local.payload_bytes != peer.payload_bytes:
-                    raise PlanError(
+                    raise ContractError(
                         f"equal-TP Cache field {local.field_id!r} rank-local geometry differs"
                     )
         self._partitions: dict[str, tuple[_Shards, _Shards]] = {}
@@ -455,8 +456,9 @@ def plan_registration(
     decode_contract: CacheContract,
 ) -> PlannedRegistration:
     """Plan what Prefill rank ``prefill_rank`` sends for one Decode rank's
-    registration (§6.5). Raises :class:`PlanError`, whose message becomes the
-    registration's rejection reason (§7.9.4)."""
+    registration (§6.5). Raises :class:`ContractError` (incompatible contracts) or
+    :class:`PlanError`, whose message becomes the registration's rejection reason
+    (§7.9.4)."""
     planner = RoutePlanner(prefill_tp, decode_tp, prefill_contract, decode_contract)
     route = planner.plan(decode_rank)
     served = planner.decode_ranks_by_prefill_rank(prefill_rank)
