@@ -18,14 +18,23 @@ of its rooms/s): one line per *failure* with its reason and class, never one per
 room. A successful room's story is in its trace and the metrics, not the log.
 :func:`log_command` applies that to the cores' :class:`~tspd.core.commands.Log`
 and :class:`~tspd.core.commands.RoomFailed` commands.
+
+What a peer, a client or the network sends must not flood the log either: a line
+about something refused goes through a :class:`RateLimitedLog`, which writes at most
+one line per ``(peer, reason)`` every few seconds and says on the next one how many
+similar lines it held back::
+
+    refusals = RateLimitedLog(log, interval=10.0)
+    refusals.warning(client_ip, "bad_field", "bootstrap PUT from %s refused: %s", client_ip, why)
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
-from typing import Final, TextIO
+import time
+from collections.abc import Callable, Mapping
+from typing import Final, TextIO, final
 
 from tspd.core.commands import Command, Log, LogLevel, RoomFailed
 
@@ -34,6 +43,7 @@ __all__ = [
     "LEVELS",
     "JsonFormatter",
     "KeyValueFormatter",
+    "RateLimitedLog",
     "component_logger",
     "configure_logging",
     "fields",
@@ -183,3 +193,127 @@ def log_command(logger: logging.Logger, command: Command, **context: object) -> 
             logger.log(level, "%s", command.message, extra=fields(room=command.room, **context))
         return True
     return False
+
+
+@final
+class RateLimitedLog:
+    """At most one log line per ``(peer, reason)`` every ``interval`` seconds.
+
+    For lines about things a peer, client or the network can repeat at will
+    (refused requests, malformed messages): the first line of a kind is written at
+    once; similar lines within ``interval`` seconds of it are counted, not written,
+    and the next line of that kind that is written ends with ``(N similar lines
+    suppressed in the last S s)`` and carries a ``suppressed=N`` field.
+
+    The table of kinds is bounded: at most ``max_keys`` ``(peer, reason)`` pairs are
+    tracked; once it is full (and none of its entries has expired), a new peer is
+    counted under the peer ``"*"`` for its reason, so a flood from many addresses
+    still writes at most one line per reason per interval. ``peer`` and ``reason``
+    are also passed as record fields. ``clock`` (seconds, monotonic) is for tests.
+    """
+
+    OTHER_PEERS: Final = "*"
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        interval: float = 10.0,
+        max_keys: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not interval >= 0 or max_keys < 1:
+            raise ValueError(
+                f"RateLimitedLog needs interval >= 0 and max_keys >= 1, got {interval}, {max_keys}"
+            )
+        self.logger = logger
+        self.interval = interval
+        self.max_keys = max_keys
+        self._clock = clock
+        # (peer, reason) -> [time of the last line written, lines suppressed since];
+        # in the order lines were last written, so expired entries are at the front.
+        self._keys: dict[tuple[str, str], list[float]] = {}
+        #: Lines held back in total (every key, since construction).
+        self.suppressed_total = 0
+
+    def __len__(self) -> int:
+        """How many ``(peer, reason)`` pairs are tracked now (at most ``max_keys``)."""
+        return len(self._keys)
+
+    def _key(self, peer: str, reason: str, now: float) -> tuple[str, str]:
+        key = (peer, reason)
+        if key in self._keys or len(self._keys) < self.max_keys:
+            return key
+        for old in list(self._keys):  # oldest first: forget what has expired
+            if now - self._keys[old][0] < self.interval:
+                break
+            del self._keys[old]
+        if len(self._keys) < self.max_keys:
+            return key
+        other = (self.OTHER_PEERS, reason)
+        if other not in self._keys:
+            del self._keys[next(iter(self._keys))]  # make room: the oldest line's entry
+        return other
+
+    def log(
+        self,
+        level: int,
+        peer: str,
+        reason: str,
+        msg: str,
+        *args: object,
+        exc_info: bool = False,
+        **extra: object,
+    ) -> bool:
+        """Write ``msg % args`` at ``level`` unless a line for ``(peer, reason)`` was
+        written less than ``interval`` seconds ago; ``extra`` are record fields and
+        ``exc_info=True`` adds the exception being handled. ``True`` if the line was
+        written."""
+        if not self.logger.isEnabledFor(level):
+            return False
+        now = self._clock()
+        key = self._key(peer, reason, now)
+        entry = self._keys.get(key)
+        if entry is not None and now - entry[0] < self.interval:
+            entry[1] += 1
+            self.suppressed_total += 1
+            return False
+        suppressed = int(entry[1]) if entry is not None else 0
+        if entry is not None:
+            del self._keys[key]  # re-insert at the back: the newest line written
+        self._keys[key] = [now, 0]
+        if suppressed:
+            since = now - entry[0] if entry is not None else 0.0
+            msg = f"{msg} ({suppressed} similar lines suppressed in the last {since:.0f} s)"
+        self.logger.log(
+            level,
+            msg,
+            *args,
+            exc_info=exc_info,
+            extra=fields(peer=key[0], reason=reason, suppressed=suppressed or None, **extra),
+        )
+        return True
+
+    def warning(
+        self,
+        peer: str,
+        reason: str,
+        msg: str,
+        *args: object,
+        exc_info: bool = False,
+        **extra: object,
+    ) -> bool:
+        """:meth:`log` at WARNING."""
+        return self.log(logging.WARNING, peer, reason, msg, *args, exc_info=exc_info, **extra)
+
+    def error(
+        self,
+        peer: str,
+        reason: str,
+        msg: str,
+        *args: object,
+        exc_info: bool = False,
+        **extra: object,
+    ) -> bool:
+        """:meth:`log` at ERROR."""
+        return self.log(logging.ERROR, peer, reason, msg, *args, exc_info=exc_info, **extra)

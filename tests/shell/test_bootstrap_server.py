@@ -124,14 +124,16 @@ async def test_missing_inputs_is_400(server: BootstrapServer, http: httpx.AsyncC
         assert (r.status_code, r.text) == (400, MISSING_INPUTS)
 
 
-async def test_unknown_and_non_integer_ranks_are_500(
+async def test_unknown_ranks_are_404_and_non_integer_ranks_400(
     server: BootstrapServer, http: httpx.AsyncClient
 ) -> None:
     await http.put(server.url + "/route", json=payload(0, world_size=1))
     r = await http.get(server.url + "/route", params={"engine_rank": 5, "target_dp_group": 0})
-    assert r.status_code == 500
+    assert r.status_code == 404
+    assert "engine_rank=5" in r.text
     r = await http.get(server.url + "/route", params={"engine_rank": "a", "target_dp_group": 0})
-    assert r.status_code == 500
+    assert r.status_code == 400
+    assert "integer engine_rank" in r.text
 
 
 async def test_other_methods_are_405_json(server: BootstrapServer, http: httpx.AsyncClient) -> None:
@@ -141,17 +143,17 @@ async def test_other_methods_are_405_json(server: BootstrapServer, http: httpx.A
         assert r.headers["content-type"].startswith("application/json")
 
 
-async def test_bad_puts_are_500_with_the_spec_message(
+async def test_bad_puts_are_400_with_the_spec_message(
     server: BootstrapServer, http: httpx.AsyncClient
 ) -> None:
     r = await http.put(server.url + "/route", json=payload(0, layout=17))
-    assert (r.status_code, r.text) == (500, LAYOUT_NOT_STRING)
+    assert (r.status_code, r.text) == (400, LAYOUT_NOT_STRING)
     r = await http.put(server.url + "/route", json=payload(0, layout="{}"))
-    assert (r.status_code, r.text) == (500, BAD_LAYOUT)
+    assert (r.status_code, r.text) == (400, BAD_LAYOUT)
     r = await http.put(server.url + "/route", content=b"{not json")
-    assert r.status_code == 500
+    assert (r.status_code, r.text) == (400, "bootstrap PUT body is not JSON")
     r = await http.put(server.url + "/route", json={"cache_layout": LAYOUT})
-    assert r.status_code == 500
+    assert (r.status_code, r.text) == (400, "bootstrap PUT body lacks 'role'")
 
 
 async def test_incompatible_layouts_are_rejected(
@@ -161,7 +163,7 @@ async def test_incompatible_layouts_are_rejected(
     other = json.loads(LAYOUT)
     other["plan"]["prefix_granularity"] = 32
     r = await http.put(server.url + "/route", json=payload(1, layout=json.dumps(other)))
-    assert (r.status_code, r.text) == (500, INCOMPATIBLE_LAYOUTS)
+    assert (r.status_code, r.text) == (409, INCOMPATIBLE_LAYOUTS)
     assert server.state.registered_ranks == 1
 
 
@@ -204,7 +206,7 @@ async def test_client_round_trip(server: BootstrapServer) -> None:
         assert rank == RankInfo("127.0.0.1", 6003)
         with pytest.raises(BootstrapUnavailable) as bad:
             await client.put_route(server.address, payload(0, layout="{}"))
-        assert bad.value.status == 500
+        assert bad.value.status == 400
         assert BAD_LAYOUT in str(bad.value)
         assert client.addresses == [server.address]
 

@@ -18,33 +18,60 @@ Decode from planning against an instance whose contract or endpoints are still
 arriving. ``GET /health`` stays ``200`` throughout: it reports liveness, and Decode
 heartbeats must not declare a starting instance dead.
 
-``PUT`` errors answer ``500`` like TokenSpeed's generic handler, with the error
-message (verbatim from the specification where it fixes one) as a plain-text body
-so an operator sees what was wrong.
+Refusals (a tspd decision: TokenSpeed answers every bad ``PUT`` with a generic
+``500``, and its clients only tell ``200`` from anything else, so this costs no
+compatibility): a request that is wrong is answered ``4xx`` with a plain-text body
+that says what was wrong and, where it helps, what to do — ``400`` for a body or
+query that cannot be used (not JSON, a missing or ill-typed field, an address, port
+or size out of range, an invalid contract), ``409`` for a registration that
+contradicts what the instance registered before (another contract, stage placement
+or world/DP size), ``404`` for an unknown route or rank, ``405`` for another method.
+The message is the specification's, verbatim, where it fixes one. ``500`` is left
+for a fault of the server itself. Every refusal carries a short ``reason`` (one of
+:data:`REFUSAL_REASONS`) for logs and metrics.
+
+Everything a ``PUT`` says is checked before anything is stored, and what is stored
+is bounded by the checked sizes: ``world_size`` at most :data:`MAX_WORLD_SIZE`, the
+Prefill TP per DP group (and stage) at most ``MAX_CACHE_TP_SIZE``, ``rank_ip`` a host
+name or IP literal (:func:`is_valid_host`), ``rank_port`` in ``1..65535``,
+``engine_rank`` below the world size. Re-registration follows the specification
+(a rank's later ``PUT`` replaces its endpoint, as a restarted rank's does) except
+that a ``PUT`` whose ``world_size``/``dp_size`` differ from the ones registered first
+is refused with ``409`` instead of being filed under sizes the instance does not
+have. The client half applies the same checks to what a server returns, so a reply
+from a server that checks nothing fails the request, never the caller.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeGuard
 
-from tspd.core.contract import parse_contract
+from tspd.core.contract import MAX_CONTRACT_BYTES, parse_contract
 from tspd.core.errors import TspdError, WireError
+from tspd.core.topology import MAX_CACHE_TP_SIZE
 
 __all__ = [
     "BAD_LAYOUT",
     "INCOMPATIBLE_LAYOUTS",
     "LAYOUT_NOT_STRING",
+    "MAX_HOST_CHARS",
+    "MAX_ROLE_CHARS",
+    "MAX_WORLD_SIZE",
     "METHOD_NOT_ALLOWED",
     "MISSING_INPUTS",
+    "REFUSAL_REASONS",
     "BootstrapState",
     "HttpReply",
     "ParallelInfo",
     "RankInfo",
     "build_route_payload",
     "encode_route_payload",
+    "is_valid_host",
     "parse_parallel_info",
     "parse_rank_info",
     "parse_route_payload",
@@ -60,17 +87,48 @@ INCOMPATIBLE_PLACEMENT: Final = "CachePD prefill ranks registered incompatible f
 MISSING_INPUTS: Final = "Missing inputs for bootstrap server."
 METHOD_NOT_ALLOWED: Final = "Method not allowed"
 
+MAX_WORLD_SIZE: Final = 4096
+"""Largest Prefill world size (TP x DP, x PP in S3) a ``PUT`` may declare or a
+parallel-info reply may report; each DP group's (and stage's) TP is further bounded
+by ``MAX_CACHE_TP_SIZE`` (1024)."""
+MAX_HOST_CHARS: Final = 253
+"""Longest ``rank_ip`` (the longest DNS name)."""
+MAX_ROLE_CHARS: Final = 64
+"""Longest ``role`` string."""
+_MAX_QUERY_CHARS: Final = 20
+
+#: Why a request was refused: the ``reason`` of a refusing :class:`HttpReply` (the
+#: first eight), of the HTTP layer (the next four) or ``"other"`` (a refusal without
+#: a known reason, e.g. from a subclass): a bounded label set for logs and metrics.
+REFUSAL_REASONS: Final = (
+    "bad_body",
+    "bad_field",
+    "bad_layout",
+    "conflict",
+    "bad_query",
+    "unknown_rank",
+    "not_found",
+    "method_not_allowed",
+    "body_too_large",
+    "request_timeout",
+    "connection_limit",
+    "server_error",
+    "other",
+)
+
 _TEXT: Final = "text/plain; charset=utf-8"
 _JSON: Final = "application/json"
 
 
 @dataclass(frozen=True, slots=True)
 class HttpReply:
-    """One HTTP answer: status, body text and content type."""
+    """One HTTP answer: status, body text and content type; a refusal (``4xx``) also
+    has its ``reason``, one of :data:`REFUSAL_REASONS`."""
 
     status: int
     body: str
     content_type: str = _TEXT
+    reason: str = ""
 
     @classmethod
     def ok(cls) -> HttpReply:
@@ -85,6 +143,58 @@ class HttpReply:
 
 def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _Refused(WireError):
+    """A request the server refuses: its status, its reason and the message."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+    def reply(self) -> HttpReply:
+        return HttpReply(self.status, str(self), _TEXT, self.reason)
+
+
+def _bad(reason: str, message: str) -> _Refused:
+    return _Refused(400, reason, message)
+
+
+def _shown(value: object, limit: int = 64) -> str:
+    """``repr(value)``, cut to ``limit`` characters: what a message may echo of
+    something a client sent."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+_LABEL: Final = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9])?\Z")
+
+
+def is_valid_host(host: str) -> bool:
+    """Whether ``host`` is a host name (RFC 1123 labels, underscores allowed inside
+    a label; the last label not all digits), an IPv4 address or an IPv6 address
+    without zone: what a control endpoint may name. ``"*"``, ``""``, text with
+    spaces or control characters, ``"1.2.3"`` and names over
+    :data:`MAX_HOST_CHARS` are not."""
+    if not isinstance(host, str) or not 0 < len(host) <= MAX_HOST_CHARS or not host.isascii():
+        return False
+    if ":" in host:
+        if "%" in host:
+            return False
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+        return True
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        pass
+    else:
+        return True
+    labels = host.removesuffix(".").split(".")
+    return all(_LABEL.match(label) for label in labels) and not labels[-1].isdigit()
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,56 +231,75 @@ class BootstrapState:
         if path == "/health":
             if method in ("GET", "HEAD"):
                 return HttpReply.ok()
-            return HttpReply(405, METHOD_NOT_ALLOWED, _JSON)
+            return HttpReply(405, METHOD_NOT_ALLOWED, _JSON, "method_not_allowed")
         if path != "/route":
-            return HttpReply(404, "Not Found")
+            return HttpReply(
+                404,
+                f"no route {_shown(path)} on this bootstrap server: it serves /route and /health",
+                _TEXT,
+                "not_found",
+            )
         if method == "PUT":
             return self.put_route(body)
         if method in ("GET", "HEAD"):  # the HTTP layer drops a HEAD reply's body
             return self.get_route(query)
-        return HttpReply(405, METHOD_NOT_ALLOWED, _JSON)
+        return HttpReply(405, METHOD_NOT_ALLOWED, _JSON, "method_not_allowed")
 
     # -- PUT -------------------------------------------------------------------
 
     def put_route(self, body: bytes) -> HttpReply:
-        """Register one rank (§2.2, in the specification's order); any error is a
-        ``500`` whose body is the error message and leaves the state unchanged."""
+        """Register one rank (§2.2, in the specification's order). A refused ``PUT``
+        (``400`` or ``409``, see the module docstring) leaves the state unchanged."""
         try:
             payload = json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError):
-            return HttpReply(500, "bootstrap PUT body is not JSON")
+            return _bad("bad_body", "bootstrap PUT body is not JSON").reply()
         if not isinstance(payload, dict):
-            return HttpReply(500, "bootstrap PUT body must be a JSON object")
+            return _bad("bad_body", "bootstrap PUT body must be a JSON object").reply()
         try:
             self._register(payload)
-        except (TspdError, ValueError) as err:
-            return HttpReply(500, str(err))
+        except _Refused as err:
+            return err.reply()
         return HttpReply.ok()
 
     def _register(self, payload: dict[str, Any]) -> None:
         layout = self._checked_layout(payload)
         placement, pp_size = self._checked_placement(payload, layout)
         role = _field(payload, "role", str)
+        if len(role) > MAX_ROLE_CHARS:
+            raise _bad(
+                "bad_field", f"bootstrap PUT role is longer than {MAX_ROLE_CHARS} characters"
+            )
         world_size = _field(payload, "world_size", int)
         dp_size = _field(payload, "dp_size", int)
-        if world_size <= 0 or dp_size <= 0 or world_size % dp_size:
-            raise WireError(
-                f"bootstrap PUT has world_size={world_size} and dp_size={dp_size}: both "
-                "must be positive and dp_size must divide world_size"
+        _check_sizes(world_size, dp_size, pp_size if placement is not None else None)
+        if self.world_size is not None and (world_size, dp_size) != (self.world_size, self.dp_size):
+            raise _Refused(
+                409,
+                "conflict",
+                f"bootstrap PUT has world_size={world_size} and dp_size={dp_size}, but this "
+                f"Prefill instance registered world_size={self.world_size} and "
+                f"dp_size={self.dp_size}: every rank of an instance must send the same sizes "
+                "(restart the bootstrap server to serve a resized instance)",
             )
         registration: tuple[int, int, _Registration] | None = None
         if role == "Prefill":
             rank_ip = _field(payload, "rank_ip", str)
             rank_port = _field(payload, "rank_port", int)
             engine_rank = _field(payload, "engine_rank", int)
-            if not rank_ip or not 0 < rank_port < 65536:
-                raise WireError(
-                    f"bootstrap PUT from engine_rank={engine_rank} has an unusable control "
-                    f"endpoint {rank_ip!r}:{rank_port}"
-                )
             if not 0 <= engine_rank < world_size:
-                raise WireError(
-                    f"bootstrap PUT has engine_rank={engine_rank} outside [0, {world_size})"
+                raise _bad(
+                    "bad_field",
+                    f"bootstrap PUT has engine_rank={_shown(engine_rank)} outside "
+                    f"[0, {world_size})",
+                )
+            if not is_valid_host(rank_ip) or not 0 < rank_port < 65536:
+                raise _bad(
+                    "bad_field",
+                    f"bootstrap PUT from engine_rank={engine_rank} has an unusable control "
+                    f"endpoint {_shown(rank_ip)}:{_shown(rank_port)}: rank_ip must be a host "
+                    "name or an IPv4/IPv6 address Decode ranks can reach and rank_port in "
+                    "1..65535",
                 )
             tp_per_dp = world_size // dp_size
             registration = (
@@ -192,13 +321,13 @@ class BootstrapState:
     def _checked_layout(self, payload: Mapping[str, Any]) -> str:
         layout = payload.get("cache_layout")
         if not isinstance(layout, str):
-            raise WireError(LAYOUT_NOT_STRING)
+            raise _bad("bad_layout", LAYOUT_NOT_STRING)
         try:
             canonical = parse_contract(layout, compat=self._compat).to_json().decode("ascii")
         except (TspdError, ValueError) as err:
-            raise WireError(BAD_LAYOUT) from err
+            raise _bad("bad_layout", BAD_LAYOUT) from err
         if self.cache_layout is not None and canonical != self.cache_layout:
-            raise WireError(INCOMPATIBLE_LAYOUTS)
+            raise _Refused(409, "conflict", INCOMPATIBLE_LAYOUTS)
         return canonical
 
     def _checked_placement(
@@ -210,17 +339,17 @@ class BootstrapState:
         if not isinstance(raw, list) or not all(
             isinstance(stage, list) and all(isinstance(f, str) for f in stage) for stage in raw
         ):
-            raise WireError(PLACEMENT_REQUIRED)
+            raise _bad("bad_layout", PLACEMENT_REQUIRED)
         placement = tuple(tuple(stage) for stage in raw)
         placed = [f for stage in placement for f in stage]
         logical = [f["field_id"] for f in json.loads(layout)["plan"]["fields"]]
         if len(placed) != len(set(placed)) or set(placed) != set(logical):
-            raise WireError(PLACEMENT_COVERAGE)
+            raise _bad("bad_layout", PLACEMENT_COVERAGE)
         pp_size = payload.get("pp_size", self.pp_size if self.pp_size is not None else 1)
         if not _is_int(pp_size) or pp_size <= 0 or len(placement) != pp_size:
-            raise WireError(PLACEMENT_STAGES)
+            raise _bad("bad_layout", PLACEMENT_STAGES)
         if self.fields_by_stage is not None and placement != self.fields_by_stage:
-            raise WireError(INCOMPATIBLE_PLACEMENT)
+            raise _Refused(409, "conflict", INCOMPATIBLE_PLACEMENT)
         return placement, int(pp_size)
 
     # -- GET -------------------------------------------------------------------
@@ -257,15 +386,14 @@ class BootstrapState:
         engine_rank_text = query.get("engine_rank", "")
         dp_group_text = query.get("target_dp_group", "")
         if not engine_rank_text or not dp_group_text:
-            return HttpReply(400, MISSING_INPUTS)
-        try:
-            engine_rank, dp_group = int(engine_rank_text), int(dp_group_text)
-        except ValueError:
-            return HttpReply(
-                500,
+            return HttpReply(400, MISSING_INPUTS, _TEXT, "bad_query")
+        engine_rank, dp_group = _query_int(engine_rank_text), _query_int(dp_group_text)
+        if engine_rank is None or dp_group is None:
+            return _bad(
+                "bad_query",
                 f"bootstrap GET /route needs integer engine_rank and target_dp_group, got "
-                f"{engine_rank_text!r} and {dp_group_text!r}",
-            )
+                f"{_shown(engine_rank_text)} and {_shown(dp_group_text)}",
+            ).reply()
         waiting = self.waiting_reason()
         if waiting is not None:
             return HttpReply(503, waiting)
@@ -274,24 +402,73 @@ class BootstrapState:
         entry = self._table.get(dp_group, {}).get(engine_rank)
         if entry is None:
             return HttpReply(
-                500,
+                404,
                 f"Bootstrap info not found for engine_rank={engine_rank} "
                 f"target_dp_group={dp_group}: this Prefill instance has "
                 f"dp_size={self.dp_size} and {self.world_size} ranks",
+                _TEXT,
+                "unknown_rank",
             )
         return HttpReply.json({"rank_ip": entry.rank_ip, "rank_port": entry.rank_port})
+
+
+def _query_int(text: str) -> int | None:
+    """A query parameter as an int (TokenSpeed's ``int()``), or ``None``; at most
+    a few digits are read."""
+    if len(text) > _MAX_QUERY_CHARS:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 def _field(payload: Mapping[str, Any], key: str, kind: type) -> Any:
     """``payload[key]`` checked against ``kind`` (bool is not an int)."""
     if key not in payload:
-        raise WireError(f"bootstrap PUT body lacks {key!r}")
+        raise _bad("bad_field", f"bootstrap PUT body lacks {key!r}")
     value = payload[key]
     if (kind is int and not _is_int(value)) or not isinstance(value, kind):
-        raise WireError(
-            f"bootstrap PUT field {key!r} must be {kind.__name__}, got {type(value).__name__}"
+        raise _bad(
+            "bad_field",
+            f"bootstrap PUT field {key!r} must be {kind.__name__}, got {type(value).__name__}",
         )
     return value
+
+
+def _size_problem(world_size: int, dp_size: int, pp_size: int | None, world: str) -> str | None:
+    """What is wrong with a Prefill instance's sizes, or ``None``: ``world`` names
+    the world size in the message (``world_size`` or ``prefill_tp_size``)."""
+    dp = "dp_size" if world == "world_size" else "prefill_dp_size"
+    pp = "pp_size" if world == "world_size" else "prefill_pp_size"
+    if not 0 < world_size <= MAX_WORLD_SIZE:
+        return f"{world}={_shown(world_size)} is outside [1, {MAX_WORLD_SIZE}]"
+    if not 0 < dp_size <= world_size:
+        return f"{dp}={_shown(dp_size)} is outside [1, {world}={world_size}]"
+    groups = dp_size * (pp_size or 1)
+    if pp_size is not None and not 0 < pp_size <= world_size:
+        return f"{pp}={_shown(pp_size)} is outside [1, {world}={world_size}]"
+    if world_size % groups:
+        return f"{world}={world_size} is not a multiple of {dp}={dp_size}" + (
+            f" * {pp}={pp_size}" if pp_size is not None else ""
+        )
+    if world_size // groups > MAX_CACHE_TP_SIZE:
+        return (
+            f"{world}={world_size} gives {world_size // groups} TP ranks per DP group"
+            + (" and stage" if pp_size is not None else "")
+            + f", more than {MAX_CACHE_TP_SIZE}"
+        )
+    return None
+
+
+def _check_sizes(world_size: int, dp_size: int, pp_size: int | None) -> None:
+    problem = _size_problem(world_size, dp_size, pp_size, "world_size")
+    if problem is not None:
+        raise _bad(
+            "bad_field",
+            f"bootstrap PUT has unusable sizes: {problem}; world_size is the Prefill "
+            "instance's TP x DP (x PP) size, a multiple of dp_size (x pp_size)",
+        )
 
 
 # --------------------------------------------------------------------------- clients
@@ -389,12 +566,17 @@ def parse_parallel_info(body: bytes | str) -> ParallelInfo:
     tp: object = obj.get("prefill_tp_size")
     dp: object = obj.get("prefill_dp_size")
     layout: object = obj.get("cache_layout")
-    if not _is_int(tp) or not _is_int(dp) or not isinstance(layout, str):
+    if not _is_int(tp) or not _is_int(dp) or not isinstance(layout, str) or not layout:
         raise WireError(
             "Prefill bootstrap server returned incomplete parallel info "
             f"(prefill_tp_size={tp!r}, prefill_dp_size={dp!r}, "
             f"cache_layout {'present' if isinstance(layout, str) else 'missing'}): "
             "has every Prefill rank registered?"
+        )
+    if len(layout) > MAX_CONTRACT_BYTES:
+        raise WireError(
+            f"bootstrap parallel-info cache_layout is {len(layout)} characters, more than a "
+            f"contract's {MAX_CONTRACT_BYTES} bytes"
         )
     pp: object = obj.get("prefill_pp_size")
     placement_raw = obj.get("cache_fields_by_stage")
@@ -408,21 +590,33 @@ def parse_parallel_info(body: bytes | str) -> ParallelInfo:
     if pp is not None and (not _is_int(pp) or pp <= 0):
         raise WireError(f"bootstrap parallel-info prefill_pp_size must be positive, got {pp!r}")
     pp_size = pp if _is_int(pp) else None
-    if tp <= 0 or dp <= 0 or tp % (dp * (pp_size or 1)):
+    problem = _size_problem(tp, dp, pp_size, "prefill_tp_size")
+    if problem is not None:
+        raise WireError(f"bootstrap parallel info is inconsistent: {problem}")
+    if placement is not None and len(placement) > tp:
         raise WireError(
-            f"bootstrap parallel info is inconsistent: prefill_tp_size={tp} is not a positive "
-            f"multiple of prefill_dp_size={dp}" + (f" * prefill_pp_size={pp}" if pp else "")
+            f"bootstrap parallel-info cache_fields_by_stage has {len(placement)} stages, "
+            f"more than prefill_tp_size={tp}"
         )
     return ParallelInfo(tp, dp, layout, pp_size, placement)
 
 
 def parse_rank_info(body: bytes | str) -> RankInfo:
-    """Decode a rank-info reply ``{"rank_ip": str, "rank_port": int}``."""
+    """Decode a rank-info reply ``{"rank_ip": str, "rank_port": int}``: ``rank_ip``
+    must pass :func:`is_valid_host` and ``rank_port`` be in ``1..65535`` (a server
+    that checks nothing may hand out ``"*"``, which a socket library refuses)."""
     obj = _reply_object(body, "rank-info")
     ip: object = obj.get("rank_ip")
     port: object = obj.get("rank_port")
-    if not isinstance(ip, str) or not ip or not _is_int(port) or not 0 < port < 65536:
+    if (
+        not isinstance(ip, str)
+        or not is_valid_host(ip)
+        or not _is_int(port)
+        or not 0 < port < 65536
+    ):
         raise WireError(
-            f"bootstrap rank-info reply has no usable endpoint (rank_ip={ip!r}, rank_port={port!r})"
+            f"bootstrap rank-info reply has no usable endpoint (rank_ip={_shown(ip)}, "
+            f"rank_port={_shown(port)}): the Prefill rank registered an address that is not a "
+            "host name or IP address, or the server is not a bootstrap server"
         )
     return RankInfo(ip, port)

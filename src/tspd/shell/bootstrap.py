@@ -1,8 +1,8 @@
 """The bootstrap HTTP server and client on Trio (spec §2).
 
-Server: hypercorn's Trio worker serving a Starlette app whose only job is to hand
-each request to :class:`tspd.core.bootstrap.BootstrapState` and write its
-:class:`~tspd.core.bootstrap.HttpReply` back. Use :func:`open_bootstrap_server`
+Server: hypercorn (under :func:`tspd.shell.http.serve_asgi`) serving a Starlette app
+whose only job is to hand each request to :class:`tspd.core.bootstrap.BootstrapState`
+and write its :class:`~tspd.core.bootstrap.HttpReply` back. Use :func:`open_bootstrap_server`
 (an async context manager yielding a :class:`BootstrapServer` with the bound
 address) or :func:`serve_bootstrap` under a caller's nursery (``task_status``
 reports the same handle). Leaving the block cancels the server: open keep-alive
@@ -12,9 +12,23 @@ server can bind it immediately (§2.4).
 Unlike TokenSpeed's server (all interfaces), the host is explicit and defaults to
 ``127.0.0.1``; pass ``"0.0.0.0"`` to serve other machines.
 
+No client can crash, bloat or hold it: a request is refused with ``4xx`` and a
+reason (see :mod:`tspd.core.bootstrap`; a body over :data:`MAX_BODY_BYTES` is
+``413``), an exception inside the app answers ``500`` for that request alone, and
+:class:`~tspd.shell.http.HttpLimits` (``limits=``) bounds how long a request may
+take, how long an idle connection stays and how many are open. Each refusal is
+counted by reason (:meth:`BootstrapServer.statistics`, exported as
+``tspd_bootstrap_rejected_requests_total`` by
+:meth:`tspd.shell.metrics.TspdMetrics.watch_bootstrap`) and logged through a
+:class:`~tspd.log.RateLimitedLog`: at most one line per client and reason every
+10 s, the next one saying how many were held back.
+
 Client: :class:`BootstrapClient` over ``httpx.AsyncClient`` (which runs on Trio),
 one keep-alive client per bootstrap address, with the timeouts of §2.5. Every call
-is bounded (the parallel-info fetch, unbounded in S1, uses 5 s too). The calls take
+is bounded (the parallel-info fetch, unbounded in S1, uses 5 s too), reads at most
+:data:`MAX_REPLY_BYTES` of a reply, and fails only with
+:class:`BootstrapUnavailable` or :class:`~tspd.core.errors.WireError` — whatever the
+address (it comes from a request) or the server (it may not be tspd's) is. The calls take
 ``timeout=`` (seconds, httpx's per-phase timeout as TokenSpeed's clients use it)
 rather than relying on ``trio.fail_after`` around them, because the health check
 needs distinct connect and read limits.
@@ -26,32 +40,38 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, NoReturn, final
 
 import httpx
 import trio
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from tspd.core.bootstrap import (
+    REFUSAL_REASONS,
     BootstrapState,
     HttpReply,
     ParallelInfo,
     RankInfo,
     encode_route_payload,
+    is_valid_host,
     parse_parallel_info,
     parse_rank_info,
 )
 from tspd.core.errors import TspdError
-from tspd.shell.http import bind_tcp, serve_asgi
+from tspd.log import RateLimitedLog
+from tspd.shell.http import HttpLimits, OnRefused, bind_tcp, serve_asgi
 from tspd.shell.nursery import single_error
 
 __all__ = [
     "DEFAULT_BOOTSTRAP_PORT",
     "MAX_BODY_BYTES",
+    "MAX_REPLY_BYTES",
+    "MAX_SESSIONS",
     "BootstrapClient",
     "BootstrapServer",
     "BootstrapServerError",
@@ -69,7 +89,24 @@ DEFAULT_BOOTSTRAP_PORT: Final = 8998
 MAX_BODY_BYTES: Final = 1 << 20
 """Largest request body read (a contract is at most 256 KiB)."""
 
-_METHODS: Final = ["GET", "HEAD", "PUT", "POST", "DELETE", "PATCH", "OPTIONS"]
+MAX_REPLY_BYTES: Final = 1 << 20
+"""Largest reply body a :class:`BootstrapClient` reads (a parallel-info reply holds
+one contract); a longer reply fails the call."""
+
+MAX_SESSIONS: Final = 256
+"""Bootstrap addresses a :class:`BootstrapClient` keeps a session open to; opening
+one more closes the least recently used."""
+
+_METHODS: Final = ["GET", "HEAD", "PUT", "POST", "DELETE", "PATCH", "OPTIONS", "TRACE"]
+#: Refusals logged at INFO rather than WARNING: probes and scanners, not peers.
+_QUIET: Final = frozenset({"not_found", "method_not_allowed"})
+_BY_STATUS: Final = {
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "body_too_large",
+    500: "server_error",
+}
 
 
 class BootstrapServerError(TspdError, RuntimeError):
@@ -94,44 +131,121 @@ class BootstrapUnavailable(TspdError):
 # --------------------------------------------------------------------------- server
 
 
-def bootstrap_app(state: BootstrapState) -> Starlette:
-    """A Starlette app answering every path and method from ``state``."""
+@final
+class _Refusals:
+    """Counts refused requests by reason and logs them, rate-limited per client."""
 
-    async def endpoint(request: Request) -> Response:
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                return Response(
-                    f"bootstrap request body exceeds {MAX_BODY_BYTES} bytes", status_code=413
-                )
-        reply: HttpReply = state.handle(
-            request.method,
-            request.url.path,
-            dict(request.query_params),
-            bytes(body),
-        )
-        if reply.status == 500:
-            logger.warning(
-                "bootstrap %s %s from %s refused: %s",
-                request.method,
-                request.url.path,
-                request.client.host if request.client else "?",
-                reply.body,
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._log = RateLimitedLog(logger)
+
+    def __call__(self, peer: str, reason: str, message: str) -> None:
+        reason = reason if reason in REFUSAL_REASONS else "other"
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        level = logging.INFO if reason in _QUIET else logging.WARNING
+        self._log.log(level, peer, reason, "bootstrap server: %s", message)
+
+
+def _reason(reply: HttpReply) -> str:
+    return reply.reason or _BY_STATUS.get(reply.status, "other")
+
+
+def bootstrap_app(state: BootstrapState, *, on_refused: OnRefused | None = None) -> Starlette:
+    """A Starlette app answering every path and method from ``state``.
+
+    Each refused request (``4xx`` but the ``503`` of a starting instance, or a
+    ``500``) is reported to ``on_refused(peer, reason, message)`` (default: a
+    rate-limited log line). An exception raised by ``state`` is answered ``500``
+    and logged with its traceback (rate-limited); the server goes on."""
+    refused = _Refusals() if on_refused is None else on_refused
+    faults = RateLimitedLog(logger)
+
+    def answer(request: Request, reply: HttpReply) -> Response:
+        if reply.status >= 400 and reply.status != 503:
+            peer = request.client.host if request.client else "?"
+            first_line = reply.body.partition("\n")[0][:300]
+            refused(
+                peer,
+                _reason(reply),
+                f"{request.method[:16]} {request.url.path[:100]!r} from {peer} refused "
+                f"({reply.status}): {first_line}",
             )
         return Response(reply.body, status_code=reply.status, media_type=reply.content_type)
 
-    return Starlette(routes=[Route("/{path:path}", endpoint, methods=_METHODS)])
+    def too_large() -> HttpReply:
+        return HttpReply(
+            413,
+            f"bootstrap request body exceeds {MAX_BODY_BYTES} bytes",
+            reason="body_too_large",
+        )
+
+    async def endpoint(request: Request) -> Response:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return answer(request, too_large())
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    return answer(request, too_large())
+        except ClientDisconnect:  # gone, or closed by the limits (reported there)
+            return Response(status_code=400)
+        try:
+            reply: HttpReply = state.handle(
+                request.method,
+                request.url.path,
+                dict(request.query_params),
+                bytes(body),
+            )
+        except Exception:
+            peer = request.client.host if request.client else "?"
+            faults.log(
+                logging.ERROR,
+                peer,
+                "server_error",
+                "bootstrap server failed on %s %s from %s (a bug in the bootstrap server; "
+                "the request was answered 500 and the server goes on)",
+                request.method,
+                repr(request.url.path[:100]),
+                peer,
+                exc_info=True,
+            )
+            reply = HttpReply(
+                500,
+                "the bootstrap server failed on this request; its log has the details",
+                reason="server_error",
+            )
+        return answer(request, reply)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # Starlette's own refusals (a method outside _METHODS).
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+        return answer(request, HttpReply(status, str(detail)))
+
+    return Starlette(
+        routes=[Route("/{path:path}", endpoint, methods=_METHODS)],
+        exception_handlers={HTTPException: http_error},
+    )
 
 
 @final
 @dataclass(frozen=True, slots=True)
 class BootstrapServer:
-    """A running bootstrap server: where it listens and the state it serves."""
+    """A running bootstrap server: where it listens, the state it serves and the
+    limits it enforces."""
 
     host: str
     port: int
     state: BootstrapState
+    limits: HttpLimits = field(default_factory=HttpLimits)
+    _refusals: _Refusals = field(default_factory=_Refusals, repr=False, compare=False)
+
+    def statistics(self) -> dict[str, int]:
+        """Refused requests and connections so far, by reason (the reasons of
+        :data:`tspd.core.bootstrap.REFUSAL_REASONS`; only those seen are present)."""
+        return dict(self._refusals.counts)
 
     @property
     def address(self) -> str:
@@ -156,35 +270,41 @@ async def serve_bootstrap(
     port: int = DEFAULT_BOOTSTRAP_PORT,
     *,
     state: BootstrapState | None = None,
+    limits: HttpLimits | None = None,
     task_status: trio.TaskStatus[BootstrapServer] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Serve the bootstrap routes on ``host:port`` until cancelled.
 
     ``port=0`` picks a free port; ``task_status`` reports the :class:`BootstrapServer`
-    once the socket is bound and listening. A port that cannot be bound raises
-    :class:`BootstrapServerError` ``"Bootstrap server failed to bind on port {port}"``
-    chained to the OS error.
+    once the socket is bound and listening. ``limits`` (default
+    :class:`~tspd.shell.http.HttpLimits`) bound what clients may hold. A port that
+    cannot be bound raises :class:`BootstrapServerError` ``"Bootstrap server failed
+    to bind on port {port}"`` chained to the OS error.
     """
-    await _serve_socket(_bind(host, port), host, state, task_status=task_status)
+    await _serve_socket(_bind(host, port), host, state, limits, task_status=task_status)
 
 
 async def _serve_socket(
     sock: socket.socket,
     host: str,
     state: BootstrapState | None,
+    limits: HttpLimits | None,
     *,
     task_status: trio.TaskStatus[BootstrapServer] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
-    """Serve on an already bound socket (adopted: hypercorn closes it)."""
+    """Serve on an already bound socket (adopted: closed when serving stops)."""
     state = BootstrapState() if state is None else state
-    server = BootstrapServer(host, sock.getsockname()[1], state)
+    limits = HttpLimits() if limits is None else limits
+    server = BootstrapServer(host, sock.getsockname()[1], state, limits)
     await serve_asgi(
-        bootstrap_app(state),
+        bootstrap_app(state, on_refused=server._refusals),
         sock,
         logger=logger,
         what="bootstrap server",
         started=server,
         url=server.url,
+        limits=limits,
+        on_refused=server._refusals,
         task_status=task_status,
     )
 
@@ -195,14 +315,16 @@ async def open_bootstrap_server(
     port: int = 0,
     *,
     state: BootstrapState | None = None,
+    limits: HttpLimits | None = None,
 ) -> AsyncIterator[BootstrapServer]:
     """Run a bootstrap server for the duration of the block; yields its handle
-    (``server.address`` is the bound ``"host:port"``). A bind failure raises
-    :class:`BootstrapServerError` before the block runs."""
+    (``server.address`` is the bound ``"host:port"``). ``limits`` as for
+    :func:`serve_bootstrap`. A bind failure raises :class:`BootstrapServerError`
+    before the block runs."""
     sock = _bind(host, port)
     with single_error():
         async with trio.open_nursery() as nursery:
-            server: BootstrapServer = await nursery.start(_serve_socket, sock, host, state)
+            server: BootstrapServer = await nursery.start(_serve_socket, sock, host, state, limits)
             try:
                 yield server
             finally:
@@ -212,8 +334,53 @@ async def open_bootstrap_server(
 # --------------------------------------------------------------------------- client
 
 
+class _ReplyTooLarge(Exception):
+    pass
+
+
+async def _read_capped(response: httpx.Response) -> bytes:
+    """The reply's body, refused past :data:`MAX_REPLY_BYTES` or when compressed."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise _ReplyTooLarge(
+            f"the reply is compressed ({encoding[:32]!r}); a bootstrap server sends plain replies"
+        )
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REPLY_BYTES:
+        raise _ReplyTooLarge(f"the reply announces {int(declared)} bytes, over {MAX_REPLY_BYTES}")
+    body = bytearray()
+    async for chunk in response.aiter_raw():
+        body += chunk
+        if len(body) > MAX_REPLY_BYTES:
+            raise _ReplyTooLarge(f"the reply is longer than {MAX_REPLY_BYTES} bytes")
+    return bytes(body)
+
+
 def _base_url(address: str) -> str:
     return address if "://" in address else f"http://{address}"
+
+
+def _address_problem(address: str) -> str | None:
+    """Why ``address`` (``host``, ``host:port`` or ``[v6]:port``; a URL is left to
+    httpx) cannot name a bootstrap server, or ``None``."""
+    if "://" in address:
+        return None
+    if address.startswith("["):
+        host, bracket, rest = address[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            return "an IPv6 address is written [address]:port"
+        if ":" not in host or not is_valid_host(host):
+            return f"{host[:64]!r} is not an IPv6 address"
+        colon, port = rest[:1], rest[1:]
+    else:
+        host, colon, port = address.partition(":")
+        if not is_valid_host(host):
+            return f"{host[:64]!r} is not a host name or IP address"
+    if colon and not (
+        len(port) <= 5 and port.isascii() and port.isdigit() and 0 < int(port) < 65536
+    ):
+        return f"port {port[:16]!r} is not in 1..65535"
+    return None
 
 
 @final
@@ -239,6 +406,7 @@ class BootstrapClient:
         self._health_timeout = httpx.Timeout(
             health_read_timeout, connect=health_connect_timeout, pool=health_connect_timeout
         )
+        #: Sessions, least recently used first (at most MAX_SESSIONS).
         self._clients: dict[str, httpx.AsyncClient] = {}
 
     async def __aenter__(self) -> BootstrapClient:
@@ -247,15 +415,18 @@ class BootstrapClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def _client(self, address: str) -> httpx.AsyncClient:
-        client = self._clients.get(address)
+    async def _client(self, address: str) -> httpx.AsyncClient:
+        client = self._clients.pop(address, None)
         if client is None:
+            while len(self._clients) >= MAX_SESSIONS:
+                await self.drop(next(iter(self._clients)))
             client = httpx.AsyncClient(
                 base_url=_base_url(address),
                 trust_env=False,  # never route a bootstrap address through a proxy
-                headers={"Connection": "keep-alive"},
+                # Plain replies only: a compressed one could inflate past MAX_REPLY_BYTES.
+                headers={"Connection": "keep-alive", "Accept-Encoding": "identity"},
             )
-            self._clients[address] = client
+        self._clients[address] = client  # now the most recently used
         return client
 
     @property
@@ -285,21 +456,34 @@ class BootstrapClient:
         timeout: httpx.Timeout | float,  # noqa: ASYNC109 - httpx's per-phase timeout
         params: Mapping[str, str] | None = None,
         content: bytes | None = None,
-    ) -> httpx.Response:
+    ) -> bytes:
+        """The body of a ``200`` reply; anything else raises
+        :class:`BootstrapUnavailable` (whatever the address or the server is)."""
+        problem = _address_problem(address)
+        if problem is not None:
+            raise BootstrapUnavailable(
+                address[:100], what, None, f"not a bootstrap address (host:port): {problem}"
+            )
         try:
-            response = await self._client(address).request(
+            client = await self._client(address)
+            async with client.stream(
                 method,
                 path,
                 params=params,
                 content=content,
                 timeout=timeout,
                 headers={"Content-Type": "application/json"} if content is not None else None,
-            )
-        except httpx.HTTPError as err:
+            ) as response:
+                status = response.status_code
+                body = await _read_capped(response)
+        except _ReplyTooLarge as err:
+            raise BootstrapUnavailable(address, what, None, str(err)) from err
+        except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError, ValueError) as err:
             raise BootstrapUnavailable(address, what, None, f"{type(err).__name__}: {err}") from err
-        if response.status_code != 200:
-            raise BootstrapUnavailable(address, what, response.status_code, response.text)
-        return response
+        if status != 200:
+            detail = body[:1000].decode("utf-8", "replace")
+            raise BootstrapUnavailable(address, what, status, detail)
+        return body
 
     async def put_route(
         self,
@@ -325,7 +509,7 @@ class BootstrapClient:
         timeout: float | None = None,  # noqa: ASYNC109
     ) -> ParallelInfo:
         """Fetch the instance's parallel info (``engine_rank=-1&target_dp_group=-1``)."""
-        response = await self._request(
+        body = await self._request(
             address,
             "GET parallel info",
             "GET",
@@ -333,7 +517,7 @@ class BootstrapClient:
             timeout=self._get_timeout if timeout is None else timeout,
             params={"engine_rank": "-1", "target_dp_group": "-1"},
         )
-        return parse_parallel_info(response.content)
+        return parse_parallel_info(body)
 
     async def get_rank_info(
         self,
@@ -344,7 +528,7 @@ class BootstrapClient:
         timeout: float | None = None,  # noqa: ASYNC109
     ) -> RankInfo:
         """Fetch one Prefill rank's control endpoint (5 s by default)."""
-        response = await self._request(
+        body = await self._request(
             address,
             f"GET rank info for engine_rank={engine_rank} target_dp_group={dp_group}",
             "GET",
@@ -352,7 +536,7 @@ class BootstrapClient:
             timeout=self._get_timeout if timeout is None else timeout,
             params={"engine_rank": str(engine_rank), "target_dp_group": str(dp_group)},
         )
-        return parse_rank_info(response.content)
+        return parse_rank_info(body)
 
     async def health(self, address: str) -> bool:
         """``GET /health`` (connect 2 s, read 3 s): ``True`` on ``200``. A non-200

@@ -3,26 +3,89 @@ endpoints do: the bootstrap server and the metrics endpoint.
 
 The listening socket is bound by the caller first (:func:`bind_tcp`), so a port that
 cannot be bound fails before any task starts, with the caller's own message, and
-``port=0`` yields the real port at once; hypercorn then adopts the descriptor and
+``port=0`` yields the real port at once; :func:`serve_asgi` then listens on it and
 closes it when it stops.
+
+Nothing a client does can hold the server: :class:`HttpLimits` bounds how long a
+request may take to arrive, how long an idle keep-alive connection stays open, how
+large a request head may be and how many connections are open at once. hypercorn
+enforces its own settings (``read_timeout``, ``keep_alive_timeout``,
+``h11_max_incomplete_size``); it has no connection cap and its read timeout is per
+read, so :func:`serve_asgi` runs hypercorn's connection handler under its own accept
+loop, which closes a connection beyond the cap at once and gives each request a
+deadline from its first byte to its answer (a client trickling a byte at a time is
+closed too). A connection closed for either reason is reported to ``on_refused``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, Final, NoReturn, TypeVar, cast, final
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import wrap_app
 
+from tspd.core.errors import ConfigError
+from tspd.log import RateLimitedLog
 from tspd.shell.nursery import single_error
 
-__all__ = ["bind_tcp", "serve_asgi"]
+__all__ = ["HttpLimits", "OnRefused", "bind_tcp", "serve_asgi"]
 
 T = TypeVar("T")
+
+OnRefused = Callable[[str, str, str], None]
+"""``on_refused(peer, reason, message)``: a connection from host ``peer`` was closed
+for ``reason`` (``"connection_limit"`` or ``"request_timeout"``); ``message`` says
+so for an operator."""
+
+_UNKNOWN_PEER: Final = "?"
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What one client may take of a tspd HTTP endpoint (seconds, counts, bytes).
+
+    ``request_timeout``: longest from a request's first byte to its answer, however
+    the bytes trickle in; a connection that stalls mid-request (headers sent, body
+    promised and never sent) is closed when it expires. ``keep_alive_timeout``: an
+    idle connection (between requests, or one that never sent a byte) is closed
+    after it (hypercorn's ``keep_alive_timeout``; longer than the 15 s an aiohttp
+    client reuses an idle connection and the 5 s of httpx's, so a heartbeat never
+    races the server's close). ``read_timeout``: longest wait for the next bytes,
+    idle or not (hypercorn's ``read_timeout``, a backstop; keep it at least
+    ``keep_alive_timeout``, which it would otherwise cut short).
+    ``max_connections``: connections open at once; one more is closed as soon as it
+    is accepted. ``backlog``: the listening socket's accept queue.
+    ``max_header_bytes``: largest request line plus headers (hypercorn's
+    ``h11_max_incomplete_size``).
+    """
+
+    request_timeout: float = 10.0
+    keep_alive_timeout: float = 20.0
+    read_timeout: float = 30.0
+    max_connections: int = 512
+    backlog: int = 128
+    max_header_bytes: int = 16 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("read_timeout", "request_timeout", "keep_alive_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value < math.inf):
+                raise ConfigError(f"HttpLimits.{name} must be a positive number, got {value!r}")
+        for name in ("max_connections", "backlog", "max_header_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise ConfigError(f"HttpLimits.{name} must be a positive integer, got {value!r}")
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -39,6 +102,117 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _peer_host(sock: trio.socket.SocketType) -> str:
+    try:
+        name = sock.getpeername()
+    except OSError:
+        return _UNKNOWN_PEER
+    return str(name[0]) if isinstance(name, tuple) else _UNKNOWN_PEER
+
+
+@final
+class _GuardedStream(trio.abc.HalfCloseableStream):
+    """A connection whose request must arrive and be answered within a deadline.
+
+    The deadline starts at the first bytes received while no request is under way
+    and ends when the server sends (its answer); a receive past it raises
+    ``trio.TooSlowError``, on which hypercorn closes the connection. ``peer_gone``
+    is set when the client closes its side. It has the ``socket`` attribute
+    hypercorn reads and no ``do_handshake`` (not TLS).
+    """
+
+    def __init__(
+        self, stream: trio.SocketStream, limits: HttpLimits, on_timeout: Callable[[], None]
+    ) -> None:
+        self._stream = stream
+        self.socket = stream.socket
+        self._timeout = limits.request_timeout
+        self._on_timeout = on_timeout
+        self._deadline = math.inf
+        self.peer_gone = trio.Event()
+
+    @property
+    def deadline(self) -> float:
+        """When the request under way must be answered (``inf`` when idle)."""
+        return self._deadline
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        with trio.move_on_at(self._deadline):
+            data = await self._stream.receive_some(max_bytes)
+            if not data:
+                self.peer_gone.set()
+            elif self._deadline == math.inf:
+                self._deadline = trio.current_time() + self._timeout
+            return data
+        self._on_timeout()
+        raise trio.TooSlowError
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self._deadline = math.inf
+        await self._stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self._stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+@final
+class _CappedListener(trio.abc.Listener[_GuardedStream]):
+    """Accepts connections up to ``limits.max_connections`` open at once; one more
+    is closed at once and reported. :meth:`release` is called when one ends."""
+
+    def __init__(self, sock: trio.socket.SocketType, limits: HttpLimits, on_refused: OnRefused):
+        self._listener = trio.SocketListener(sock)
+        self._limits = limits
+        self._on_refused = on_refused
+        self.open = 0
+
+    async def accept(self) -> _GuardedStream:
+        while True:
+            stream = await self._listener.accept()
+            peer = _peer_host(stream.socket)
+            if self.open >= self._limits.max_connections:
+                await trio.aclose_forcefully(stream)
+                self._on_refused(
+                    peer,
+                    "connection_limit",
+                    f"closed a new connection from {peer}: {self.open} connections are open, "
+                    f"the limit (max_connections={self._limits.max_connections}); raise it if "
+                    "that many clients are expected, else find the client holding them",
+                )
+                continue
+            self.open += 1
+            return _GuardedStream(stream, self._limits, partial(self._timed_out, peer))
+
+    def _timed_out(self, peer: str) -> None:
+        self._on_refused(
+            peer,
+            "request_timeout",
+            f"closed the connection from {peer}: its request did not arrive within "
+            f"request_timeout={self._limits.request_timeout:g} s",
+        )
+
+    def release(self) -> None:
+        self.open -= 1
+
+    async def aclose(self) -> None:
+        await self._listener.aclose()
+
+
+def _log_refusals(logger: logging.Logger) -> OnRefused:
+    refusals = RateLimitedLog(logger)
+
+    def on_refused(peer: str, reason: str, message: str) -> None:
+        refusals.warning(peer, reason, "%s", message)
+
+    return on_refused
+
+
 async def serve_asgi(
     app: object,
     sock: socket.socket,
@@ -47,20 +221,72 @@ async def serve_asgi(
     what: str,
     started: T,
     url: str,
+    limits: HttpLimits | None = None,
+    on_refused: OnRefused | None = None,
     task_status: trio.TaskStatus[T] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Serve ``app`` on the bound ``sock`` until cancelled; report ``started`` through
-    ``task_status`` once hypercorn listens. hypercorn's own errors go to
-    ``logger``'s ``.http`` child; access logs are off."""
+    ``task_status`` once it listens. ``limits`` (defaults: :class:`HttpLimits`) bound
+    what clients may hold; connections closed by them go to ``on_refused`` (default:
+    a rate-limited WARNING on ``logger``). hypercorn's own errors go to ``logger``'s
+    ``.http`` child; access logs are off. Leaving closes every connection and the
+    listening socket."""
+    limits = HttpLimits() if limits is None else limits
+    on_refused = _log_refusals(logger) if on_refused is None else on_refused
     config = HypercornConfig()
-    config.bind = [f"fd://{sock.detach()}"]
     config.accesslog = None
     config.errorlog = logger.getChild("http")
-    config.graceful_timeout = 0.5
-    with single_error():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(partial(hypercorn_serve, cast(Any, app), config))
-            logger.info("%s listening on %s", what, url)
-            task_status.started(started)
-            await trio.sleep_forever()
+    config.read_timeout = limits.read_timeout  # type: ignore[assignment]  # to trio.fail_after
+    config.keep_alive_timeout = limits.keep_alive_timeout
+    config.h11_max_incomplete_size = limits.max_header_bytes
+    config.backlog = limits.backlog
+    asgi = wrap_app(app, config.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+    context = WorkerContext(None)
+    faults = RateLimitedLog(logger)
+    try:
+        sock.listen(limits.backlog)
+        listener = _CappedListener(trio.socket.from_stdlib_socket(sock), limits, on_refused)
+    except BaseException:
+        sock.close()
+        raise
+
+    async def close_when_peer_gone(stream: _GuardedStream, scope: trio.CancelScope) -> None:
+        # hypercorn keeps a connection whose client closed it while idle until its
+        # keep-alive timeout ends; close it at once (or when a request under way is
+        # due), so its descriptor and its place under the cap come back.
+        await stream.peer_gone.wait()
+        deadline = stream.deadline
+        await trio.sleep_until(deadline if deadline < math.inf else trio.current_time())
+        scope.cancel()
+
+    async def handle(stream: _GuardedStream) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(close_when_peer_gone, stream, nursery.cancel_scope)
+                server = TCPServer(asgi, config, context, ConnectionState({}), cast(Any, stream))
+                await server.run()
+                nursery.cancel_scope.cancel()
+        except Exception:  # one connection's fault must not end the server
+            peer = _peer_host(stream.socket)
+            faults.error(
+                peer,
+                "server_error",
+                "%s: the connection from %s failed unexpectedly and was closed (a bug)",
+                what,
+                peer,
+                exc_info=True,
+            )
+        finally:
+            listener.release()
+            await trio.aclose_forcefully(stream)
+
+    try:
+        with single_error():
+            async with trio.open_nursery() as nursery:
+                await nursery.start(trio.serve_listeners, handle, [listener])
+                logger.info("%s listening on %s", what, url)
+                task_status.started(started)
+                await trio.sleep_forever()
+    finally:
+        await trio.aclose_forcefully(listener)
     raise AssertionError(f"unreachable: the {what} returns only by cancellation")

@@ -20,7 +20,8 @@ Two ways in:
   when Prometheus scrapes: rooms by state, table sizes, bytes, descriptors and
   engine calls written, control messages; :meth:`TspdMetrics.watch_publisher` and
   :meth:`TspdMetrics.watch_subscriber` do the same for KV-event publishers' and
-  subscribers' counters. Nothing is counted twice and nothing costs a hot-path
+  subscribers' counters, :meth:`TspdMetrics.watch_bootstrap` for the requests a
+  bootstrap server refused. Nothing is counted twice and nothing costs a hot-path
   call. Scrapes run in the peer's Trio thread when served by :func:`serve_metrics`.
 
 ============================================ ========= ==================================
@@ -61,7 +62,12 @@ metric                                       kind      labels
 ``tspd_kv_subscriber_replay_requests_total`` counter   source
 ``tspd_kv_subscriber_restarts_total``        counter   source
 ``tspd_kv_subscriber_pending_batches``       gauge     source
+``tspd_bootstrap_rejected_requests_total``   counter   reason
 ============================================ ========= ==================================
+
+``tspd_bootstrap_rejected_requests_total`` counts the requests and connections a
+bootstrap server refused, by reason (``tspd.core.bootstrap.REFUSAL_REASONS``:
+``bad_field``, ``conflict``, ``connection_limit``, ``request_timeout``...).
 
 ``tspd_kv_transfer_latency_seconds`` is a successful Prefill room's transfer
 phase: from its first chunk going to the workers to its final write (spec §10's
@@ -241,6 +247,7 @@ class _ScrapeCollector:
         self.peers: list[_PeerSource] = []
         self.publishers: list[_PublisherSource] = []
         self.subscribers: list[Callable[[], Mapping[str, TrackerStats]]] = []
+        self.bootstraps: list[Callable[[], Mapping[str, int]]] = []
         #: Sources whose last read failed (warned once until a read succeeds).
         self._failing: set[str] = set()
 
@@ -256,6 +263,7 @@ class _ScrapeCollector:
         yield from self._peer_metrics()
         yield from self._publisher_metrics()
         yield from self._subscriber_metrics()
+        yield from self._bootstrap_metrics()
 
     def _read(self, what: str, read: Callable[[], Any]) -> Any:
         """One source's values, or ``None`` when reading fails: a scrape never fails
@@ -416,6 +424,20 @@ class _ScrapeCollector:
                 pending.add_metric([source], stats.pending)
         yield from families.values()
         yield pending
+
+    def _bootstrap_metrics(self) -> Iterator[Metric]:
+        rejected = CounterMetricFamily(
+            "tspd_bootstrap_rejected_requests",
+            "Requests and connections a bootstrap server refused, by reason.",
+            labels=["reason"],
+        )
+        totals: dict[str, int] = {}
+        for statistics in list(self.bootstraps):
+            for reason, count in (self._read("bootstrap server", statistics) or {}).items():
+                totals[reason] = totals.get(reason, 0) + count
+        for reason, count in sorted(totals.items()):
+            rejected.add_metric([reason], count)
+        yield rejected
 
 
 @final
@@ -580,6 +602,13 @@ class TspdMetrics:
         """Read a KV event subscriber's per-source counters (``subscriber.statistics``)
         at scrape time, labelled ``source``."""
         self._scrape.subscribers.append(statistics)
+
+    def watch_bootstrap(self, statistics: Callable[[], Mapping[str, int]]) -> None:
+        """Read a bootstrap server's refusals by reason
+        (:meth:`tspd.shell.bootstrap.BootstrapServer.statistics`) at scrape time, as
+        ``tspd_bootstrap_rejected_requests_total{reason}`` (summed over the watched
+        servers)."""
+        self._scrape.bootstraps.append(statistics)
 
     def observe_subscriber_item(self, item: SubscriberItem) -> None:
         """Count what only the subscriber's stream says: each :class:`BatchesLost` is
