@@ -47,7 +47,9 @@ SESSIONS: Final = ("127.0.0.1:9000", "127.0.0.1:9001")
 ROOMS: Final = 4
 TTL: Final = 10.0
 #: Per-peer tables that legitimately outlive every room.
-PER_PEER: Final = frozenset({"registrations", "rejected", "failed_sessions"})
+#: Per Decode session, or bounded memory kept on purpose (failed rooms, each for the
+#: bootstrap timeout, so a late pre-allocation hears Failed at once).
+PER_PEER: Final = frozenset({"registrations", "rejected", "failed_sessions", "failed_room_memory"})
 
 
 def _registration(session: str, port: int) -> list[bytes]:

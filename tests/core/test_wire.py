@@ -18,8 +18,11 @@ from tspd.core.contract import parse_contract
 from tspd.core.errors import ContractError, WireError
 from tspd.core.poll import TransferPoll
 from tspd.core.wire import (
+    MAX_CONTROL_FRAME_BYTES,
     MAX_RANK,
     MAX_ROOM,
+    MAX_SPEC_CANDIDATES,
+    MAX_STATUS_FRAME_BYTES,
     EmbeddingStatus,
     Preallocation,
     Registration,
@@ -36,6 +39,7 @@ from tspd.core.wire import (
     encode_registration,
     encode_status,
     encode_uint,
+    endpoint_problem,
     failure_notice,
     is_registration,
     session_port,
@@ -295,6 +299,65 @@ def test_route_header_survives_bad_later_frames() -> None:
         assert error_of(lambda: decode_registration_route(frames)) == message
 
 
+ENDPOINT_INVALID = "CachePD registration endpoint is invalid: "
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "detail"),
+    [
+        (b"*", "'*' is not a host name or IPv4 address"),
+        (b"foo bar", "'foo bar' contains spaces or control characters"),
+        (b"host\nname", "'host\\nname' contains spaces or control characters"),
+        (b"a..b", "'a..b' is not a host name or IPv4 address"),
+        (b"-a", "'-a' is not a host name or IPv4 address"),
+        (b"a-", "'a-' is not a host name or IPv4 address"),
+        (b"x" * 64 + b".com", "is not a host name or IPv4 address"),
+        (b"a." * 127 + b"a", "its host has 255 characters, more than 253"),
+        (b"256.1.1.1", "'256.1.1.1' is not a dotted-quad IPv4 address"),
+        (b"1.2.3.4.5", "'1.2.3.4.5' is not a dotted-quad IPv4 address"),
+        (b"010.0.0.1", "'010.0.0.1' is not a dotted-quad IPv4 address"),
+        (b"1234", "'1234' is not a dotted-quad IPv4 address"),
+        (b":5555", "':5555' has no host before its ':'"),
+        (b"::1", "'::1' looks like an IPv6 literal"),
+        (b"fe80::1", "'fe80::1' looks like an IPv6 literal"),
+        (b"[::1]", "'[::1]' looks like an IPv6 literal"),
+    ],
+)
+def test_registration_endpoint_must_be_a_host_name_or_ipv4_address(
+    endpoint: bytes, detail: str
+) -> None:
+    frames = replace(REGISTRATION_FRAMES, 1, endpoint)
+    for decode in (decode_registration, decode_registration_route):
+        message = error_of(lambda decode=decode: decode(frames))  # type: ignore[misc]
+        assert message.startswith(ENDPOINT_INVALID), message
+        assert detail in message
+    # The encoder refuses what the decoder would.
+    with pytest.raises(WireError, match=r"^CachePD registration endpoint is invalid: "):
+        encode_registration(_registration(endpoint=endpoint.decode()))
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "127.0.0.1",
+        "0.0.0.0",
+        "255.255.255.255",
+        "localhost",
+        "decode-0.decode.svc.cluster.local",
+        "decode-0.decode.svc.cluster.local.",
+        "compose_service_1",
+        "x" * 63,
+        ("a." * 126 + "a")[:253],
+        "10.0.0.2:99",
+        "10.0.0.2:anything-after-the-first-colon",
+    ],
+)
+def test_registration_endpoint_accepts_host_names_and_ipv4_addresses(endpoint: str) -> None:
+    frames = replace(REGISTRATION_FRAMES, 1, endpoint.encode())
+    assert decode_registration(frames).endpoint == endpoint
+    assert decode_registration_route(frames).endpoint == endpoint
+
+
 def test_status_address_uses_the_host_before_the_first_colon() -> None:
     assert RouteHeader("10.0.0.2", 7000, "s").status_address == "tcp://10.0.0.2:7000"
     assert RouteHeader("10.0.0.2:99", 7000, "s").status_address == "tcp://10.0.0.2:7000"
@@ -338,10 +401,32 @@ def test_encode_registration_refuses_what_the_decoder_would(
 ascii_text = st.text(
     alphabet=st.characters(min_codepoint=0, max_codepoint=127), min_size=1, max_size=40
 )
+host_label = st.from_regex(r"\A[a-z0-9_]([a-z0-9_-]{0,10}[a-z0-9_])?\Z").filter(
+    lambda label: not label.isdigit()
+)
+ipv4 = st.tuples(*[st.integers(0, 255)] * 4).map(lambda q: ".".join(map(str, q)))
+endpoints = st.one_of(
+    ipv4,
+    st.lists(host_label, min_size=1, max_size=4).map(".".join),
+    st.tuples(
+        ipv4, ascii_text.filter(lambda t: t.isprintable() and ":" not in t and " " not in t)
+    ).map(":".join),
+)
+
+
+@given(endpoint=ascii_text)
+def test_any_ascii_endpoint_decodes_or_is_refused_with_the_spec_text(endpoint: str) -> None:
+    frames = replace(REGISTRATION_FRAMES, 1, endpoint.encode())
+    if endpoint_problem(endpoint) is None:
+        route = decode_registration_route(frames)
+        assert route.status_address == f"tcp://{endpoint.split(':', 1)[0]}:5555"
+    else:
+        with pytest.raises(WireError, match=r"^CachePD registration endpoint is invalid"):
+            decode_registration_route(frames)
 
 
 @given(
-    endpoint=ascii_text,
+    endpoint=endpoints,
     session=ascii_text,
     port=st.integers(1, 65535),
     base=st.integers(1, 2**64 - 1),
@@ -524,6 +609,7 @@ def test_every_poll_value_decodes_to_its_member() -> None:
         (3, b"9223372036854775808", "bootstrap token 9223372036854775808 is out of range"),
         (3, b"-9223372036854775809", "bootstrap token -9223372036854775809 is out of range"),
         (4, b"\x00" * 5, "speculative candidate frame has 5 bytes, not a multiple of 4"),
+        (4, b"\x00" * 16385, "speculative candidate frame has 16385 bytes, more than 16384"),
         (5, b"-1", "cached tokens must be canonical unsigned ASCII"),
         (5, b"", "cached tokens must be canonical unsigned ASCII"),
         (6, b"\x00" * 4, "bootstrap logprob frame has 4 bytes, not 0 or 8"),
@@ -540,6 +626,33 @@ def test_status_frame_count(count: int) -> None:
     assert error_of(lambda: decode_status(frames)) == (
         f"Rejecting malformed Prefill status message: expected 3..7 frames, got {count}"
     )
+
+
+def test_status_candidates_are_bounded_before_they_are_converted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert MAX_STATUS_FRAME_BYTES == 4 * MAX_SPEC_CANDIDATES == 16384
+    most = tuple(range(MAX_SPEC_CANDIDATES))
+    frames = encode_status(StatusMessage(1, TransferPoll.SUCCESS, 0, 5, most))
+    assert decode_status(frames).spec_candidate_ids == most
+    # One 64 MiB frame (the finding: ~640 MiB of ints) is refused on its length alone.
+    unpacked: list[str] = []
+    real_unpack = struct.unpack
+
+    def spy(fmt: str, data: bytes) -> tuple[Any, ...]:
+        unpacked.append(fmt)
+        return real_unpack(fmt, data)
+
+    monkeypatch.setattr("tspd.core.wire.struct.unpack", spy)
+    huge = replace(frames, 4, bytes(64 * 1024 * 1024))
+    assert "more than 16384 (4096 candidates)" in error_of(lambda: decode_status(huge))
+    assert unpacked == []
+    with pytest.raises(WireError, match="4097 speculative candidates, more than 4096"):
+        encode_status(StatusMessage(1, TransferPoll.SUCCESS, 0, 5, (*most, 1)))
+
+
+def test_control_frame_bound_is_the_manifest_bound() -> None:
+    assert MAX_CONTROL_FRAME_BYTES == 2 * 1024 * 1024
 
 
 def test_status_token_extremes() -> None:

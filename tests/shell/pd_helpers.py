@@ -108,3 +108,43 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+class ClosedPorts:
+    """Ports on 127.0.0.1 that refuse connections and that no one else can bind
+    while held: each is a TCP socket bound without listening. For tests that need
+    many distinct, harmless destinations; release a port only once nothing of the
+    test connects to it any more."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self._socket = socket
+        self._held: dict[int, object] = {}
+
+    def take(self, count: int) -> list[int]:
+        ports = []
+        for _ in range(count):
+            sock = self._socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            self._held[port] = sock
+            ports.append(port)
+        return ports
+
+    def release(self, ports: list[int]) -> None:
+        for port in ports:
+            self._held.pop(port).close()  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def close(self) -> None:
+        self.release(list(self._held))
+
+
+def open_fds() -> int:
+    """How many file descriptors this process has open."""
+    import os
+
+    return len(os.listdir("/proc/self/fd"))

@@ -64,7 +64,8 @@ async def test_push_pool_sends_in_order_and_closes_its_sockets() -> None:
         nursery.cancel_scope.cancel()
     assert got == [str(i).encode() for i in range(50)]
     assert pool.stats.sent == 50
-    assert pool.stats.sockets == 1
+    assert pool.stats.opened == 1  # one endpoint: "127.0.0.1:9999" is host 127.0.0.1
+    assert pool.stats.sockets == 0  # all closed when the pool stopped
     pull.close()
     assert endpoint_url("10.0.0.1:1234", 5) == "tcp://10.0.0.1:5"
 

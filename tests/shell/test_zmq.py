@@ -10,7 +10,7 @@ import pytest
 import trio
 import zmq
 
-from tspd.shell.zmq import TrioSocket, bind_free_port, open_socket
+from tspd.shell.zmq import MIN_FRAME_LIMIT, TrioSocket, bind_free_port, open_socket
 
 
 @pytest.fixture
@@ -386,3 +386,88 @@ async def test_batch_drain_stops_at_the_byte_budget(ctx: zmq.Context[zmq.Socket[
     assert [m[0] for m in first] == [b"\x00", b"\x01", b"\x02"]  # the crossing one is kept
     assert [m[0] for m in second] == [b"\x03"]
     assert [m[0] for m in rest] == [bytes([i]) for i in range(4, 10)]
+
+
+# ---------------------------------------------------------------- bounded input
+
+
+def _bounded_pull(
+    ctx: zmq.Context[zmq.Socket[bytes]], **limits: int
+) -> tuple[TrioSocket, TrioSocket]:
+    pull = open_socket(ctx, zmq.PULL, name="test PULL", **limits)
+    port = bind_free_port(pull)
+    push = open_socket(ctx, zmq.PUSH)
+    push.sock.connect(f"tcp://127.0.0.1:{port}")
+    return pull, push
+
+
+async def _receive_marker(pull: TrioSocket, push: TrioSocket, seen: list[list[bytes]]) -> None:
+    """Send a marker until it arrives: libzmq drops the connection of a peer that
+    announced an oversized frame (and what that connection had buffered); the PUSH
+    reconnects."""
+    with trio.fail_after(10):
+        while not any(m == [b"marker"] for m in seen):
+            push.send_multipart_nowait([b"marker"])
+            with trio.move_on_after(0.2):
+                seen.extend(await pull.recv_batch(64))
+
+
+async def test_max_frame_bytes_bounds_each_frame_and_the_socket_keeps_serving(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    pull, push = _bounded_pull(ctx, max_frame_bytes=4096)
+    assert pull.sock.getsockopt(zmq.MAXMSGSIZE) == 4096
+    async with pull, push:
+        # The bound is per frame: three frames at the bound make a legal message.
+        await push.send_multipart([b"a" * 4096, b"b" * 4096, b"c" * 4096])
+        with trio.fail_after(5):
+            assert [len(f) for f in await pull.recv_multipart()] == [4096] * 3
+        await push.send_multipart([b"ok", b"x" * 4097])
+        seen: list[list[bytes]] = []
+        await _receive_marker(pull, push, seen)
+    assert all(max(map(len, m)) <= 4096 for m in seen)
+
+
+async def test_max_frame_bytes_never_goes_below_the_handshake_floor(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    router = open_socket(ctx, zmq.ROUTER, max_frame_bytes=16)
+    assert router.sock.getsockopt(zmq.MAXMSGSIZE) == MIN_FRAME_LIMIT
+    port = bind_free_port(router)
+    dealer = open_socket(ctx, zmq.DEALER)
+    dealer.sock.setsockopt(zmq.ROUTING_ID, b"i" * 255)  # the longest routing id
+    dealer.sock.connect(f"tcp://127.0.0.1:{port}")
+    async with router, dealer:
+        await dealer.send_multipart([b"", b"12345678"])
+        with trio.fail_after(5):
+            assert await router.recv_multipart() == [b"i" * 255, b"", b"12345678"]
+
+
+async def test_a_message_of_too_many_frames_is_dropped_unread(
+    ctx: zmq.Context[zmq.Socket[bytes]], caplog: pytest.LogCaptureFixture
+) -> None:
+    pull, push = _bounded_pull(ctx, max_frames=4)
+    async with pull, push:
+        await push.send_multipart([b"x"] * 5)
+        await push.send_multipart([b""] * 20_000)
+        await push.send_multipart([b"a", b"b", b"c", b"d"])
+        await push.send_multipart([b"y"] * 5)
+        await push.send_multipart([b"last"])
+        received: list[list[bytes]] = []
+        with trio.fail_after(5):
+            while [b"last"] not in received:
+                received += await pull.recv_batch(8)
+        assert received == [[b"a", b"b", b"c", b"d"], [b"last"]]
+        assert pull.dropped_messages == 3
+        # One warning per interval, not one per message.
+        warnings = [r for r in caplog.records if "dropped a message of" in r.message]
+        assert len(warnings) == 1
+        assert (
+            "test PULL: dropped a message of 5 frames (at most 4 expected)" in warnings[0].message
+        )
+        await push.send_multipart([b"z"] * 6)
+        await push.send_multipart([b"after"])
+        with trio.fail_after(5):
+            assert await pull.recv_multipart() == [b"after"]
+        assert pull.dropped_messages == 4
+        assert pull.recv_multipart_nowait() is None

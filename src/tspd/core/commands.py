@@ -5,6 +5,7 @@ action is a frozen *command* queued in order and drained with ``drain_commands()
 The shell executes them in that order:
 
 * :class:`SendFrames` — push ``frames`` to the PULL socket at ``address``.
+* :class:`CloseRoute` — the socket to a route is no longer needed (Prefill).
 * :class:`StartTransfer` — run one room's planned writes on worker ``shard``.
 * :class:`FetchParallelInfo` / :class:`FetchRankInfo` — bootstrap-server lookups
   (Decode); answer with ``parallel_info(...)`` / ``rank_info(...)``.
@@ -25,6 +26,7 @@ from tspd.core.trace import ReasonClass
 
 __all__ = [
     "Bootstrapped",
+    "CloseRoute",
     "Command",
     "DestinationWrite",
     "Event",
@@ -63,6 +65,17 @@ class SendFrames:
     def address(self) -> str:
         """The ZMQ address to connect a PUSH socket to."""
         return f"tcp://{self.endpoint.split(':', 1)[0]}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class CloseRoute:
+    """Prefill: no Decode session needs the route ``tcp://{host}:{port}`` any more (its
+    session was replaced or failed). Close the socket to it once what was just sent
+    there had a moment to leave; a later :class:`SendFrames` to the route opens a
+    new one. Queued after the failure notices that still go there."""
+
+    endpoint: str
+    port: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +182,9 @@ class Log:
     room: int | None = None
 
 
-Command = SendFrames | StartTransfer | FetchParallelInfo | FetchRankInfo | RoomFailed | Log
+Command = (
+    SendFrames | CloseRoute | StartTransfer | FetchParallelInfo | FetchRankInfo | RoomFailed | Log
+)
 
 
 # ------------------------------------------------------------------------------ events

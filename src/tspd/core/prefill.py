@@ -42,11 +42,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final, Self
 
 from tspd.core import wire
 from tspd.core.commands import (
     Bootstrapped,
+    CloseRoute,
     Command,
     DestinationWrite,
     Event,
@@ -59,7 +60,8 @@ from tspd.core.commands import (
     Succeeded,
     TransferInterval,
 )
-from tspd.core.contract import CacheContract
+from tspd.core.config import check_rank_config, parse_pd_env
+from tspd.core.contract import CacheContract, check_local_contract
 from tspd.core.copies import plan_steps
 from tspd.core.errors import ConfigError, PlanError, ProtocolError, TspdError
 from tspd.core.machines import PREFILL_ROOM_TABLE, PrefillTrigger, RoomState
@@ -72,13 +74,16 @@ from tspd.core.manifest import (
     validate_manifest,
 )
 from tspd.core.planner import PlannedRegistration, plan_registration, validate_fanout
-from tspd.core.poll import TransferPoll
+from tspd.core.poll import FaultInjection, TransferPoll
 from tspd.core.rooms import RoomClocks, RoomTable
 from tspd.core.schedule import ProducerSchedule, StepReservation, interval_targets
+from tspd.core.topology import ParallelTopology
 from tspd.core.trace import Mark, ReasonClass, RoomTrace, RoomTracer, Side, TraceConfig
 
 __all__ = [
     "BOOTSTRAP_STALL_S",
+    "FAILED_ROOM_MEMORY",
+    "REJECTED_SESSION_MEMORY",
     "ExtendRow",
     "PrefillConfig",
     "PrefillCore",
@@ -90,6 +95,13 @@ __all__ = [
 BOOTSTRAP_STALL_S = 10.0
 #: At most this many requests are listed in one stall warning.
 _STALL_LISTED = 8
+#: Rooms that ended ``Failed`` are remembered this many at most (each for the
+#: bootstrap timeout), so a Decode that pre-allocates one after it was forgotten
+#: hears ``Failed`` at once instead of waiting for its own timeout. ~100 bytes each.
+FAILED_ROOM_MEMORY: Final = 65_536
+#: Sessions whose registration was rejected are remembered this many at most (their
+#: reply route, to answer their pre-allocations ``Failed``), oldest dropped first.
+REJECTED_SESSION_MEMORY: Final = 1024
 
 _CONFLICT = "conflicting registration for an active CachePD session"
 _UNREGISTERED = "CachePD request references an unregistered Decode session"
@@ -113,8 +125,9 @@ _ANNOUNCING: Final = frozenset({_BOOTSTRAPPED, _SUCCESS})
 _LIVE: Final = frozenset(int(p) for p in TransferPoll if p is not TransferPoll.FAILED)
 _TIMEOUT_WARNING = (
     "Some requests timed out when bootstrapping: the decode instance never sent their "
-    "cache manifest. Raise TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT if a longer TTFT "
-    "is acceptable."
+    "cache manifest. Raise TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT (read by "
+    "PrefillConfig.from_env) or PrefillConfig.bootstrap_timeout if a longer TTFT is "
+    "acceptable."
 )
 
 
@@ -130,13 +143,24 @@ class PrefillConfig:
 
     ``tp_size``/``tp_rank``: this rank's attention-TP size (per DP group) and rank.
     ``status_rank``: this rank in Decode's completion-tracking rank space (spec §4.5;
-    ``tp_rank`` without pipeline parallelism). ``arena_base``/``arena_len``: this
-    rank's registered cache arena (``arena_len`` defaults to the contract's arena
-    size). ``session_id``: this rank's own transfer-engine session, for logs.
+    ``tp_rank`` without pipeline parallelism). ``contract``: this rank's own cache
+    contract, which :func:`~tspd.core.contract.check_local_contract` must accept
+    (a :class:`~tspd.core.errors.ContractError` otherwise).
+    ``arena_base``/``arena_len``: this rank's registered cache arena (``arena_len``
+    defaults to the contract's arena size). ``session_id``: this rank's own
+    transfer-engine session, for logs.
     ``failed_session_ttl <= 0`` disables failed-session fast-fail.
     ``layerwise``/``layerwise_interval``: the producer schedule and the producer
-    steps per transfer interval when KV streams layerwise, else ``None``.
+    steps per transfer interval when KV streams layerwise, else ``None``;
+    ``layerwise_debug`` logs every armed chunk's intervals.
     ``trace``: how many finished room traces are kept (:mod:`tspd.core.trace`).
+    ``topology``: the engine's parallel topology, when it has one; its TP size and
+    rank must match, and a topology tspd cannot plan for (context parallelism) is
+    refused here. ``test_failure_prob``/``test_failure_seed``: poll-time fault
+    injection (:class:`~tspd.core.poll.FaultInjection`), for tests only.
+
+    :meth:`from_env` builds one with defaults from TokenSpeed's environment
+    variables (:mod:`tspd.core.config`).
     """
 
     tp_size: int
@@ -151,11 +175,15 @@ class PrefillConfig:
     failed_session_ttl: float = 30.0
     layerwise: ProducerSchedule | None = None
     layerwise_interval: int = 1
+    layerwise_debug: bool = False
     trace: TraceConfig = field(default_factory=TraceConfig)
+    topology: ParallelTopology | None = None
+    test_failure_prob: float = 0.0
+    test_failure_seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        check_rank_config(self.tp_size, self.tp_rank, self.topology, self.test_failure_prob)
+        check_local_contract(self.contract)
         if self.transfer_workers < 1:
             raise ConfigError(
                 f"a Prefill rank needs at least one transfer worker, got {self.transfer_workers}"
@@ -179,6 +207,24 @@ class PrefillConfig:
     def reported_rank(self) -> int:
         """The rank written into status messages."""
         return self.tp_rank if self.status_rank is None else self.status_rank
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **fields: Any) -> Self:
+        """A configuration whose defaults come from TokenSpeed's variables in
+        ``environ`` (pass ``os.environ``); explicit ``fields`` win. Reads the
+        bootstrap timeout, failed-session TTL, queue size (transfer workers),
+        thread-pool check, layerwise debug and fault-injection probability.
+        Raises :class:`ConfigError` naming a variable whose value is invalid."""
+        env = parse_pd_env(environ, prefill=True)
+        values: dict[str, Any] = {
+            "bootstrap_timeout": float(env.bootstrap_timeout),
+            "failed_session_ttl": float(env.failed_session_ttl),
+            "transfer_workers": env.queue_size,
+            "layerwise_debug": env.layerwise_debug,
+            "test_failure_prob": env.test_failure_prob,
+        }
+        values.update(fields)
+        return cls(**values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,11 +323,18 @@ class PrefillCore:
         #: Sessions whose registration was rejected: their reply route.
         self._rejected: dict[str, tuple[str, int]] = {}
         self._failed_sessions: dict[str, float] = {}
+        #: Failed rooms already forgotten -> when they were (oldest first).
+        self._failed_rooms: dict[int, float] = {}
         self._steps = StepReservation()
         self._commands: list[Command] = []
         self._stall_logged_at: float | None = None
         self._timeout_warned = False
         self._trace = RoomTracer(Side.PREFILL, config.tp_rank, config.trace)
+        self._faults = (
+            FaultInjection(config.test_failure_prob, config.test_failure_seed)
+            if config.test_failure_prob > 0
+            else None
+        )
         self._interval_fields: tuple[frozenset[str] | None, ...] = (None,)
         if config.layerwise is not None:
             self._interval_fields = tuple(
@@ -392,6 +445,7 @@ class PrefillCore:
             "registrations": len(self._registrations),
             "rejected": len(self._rejected),
             "failed_sessions": len(self._failed_sessions),
+            "failed_room_memory": len(self._failed_rooms),
         }
 
     # ------------------------------------------------------------------ room helpers
@@ -402,9 +456,31 @@ class PrefillCore:
             self._per_room.unclaimed.setdefault(room, now)
 
     def _forget_room(self, room: int, mark: Mark, now: float) -> None:
-        self._trace.finish(room, self._rooms.state(room), mark, now)
+        state = self._rooms.state(room)
+        if state is RoomState.FAILED:
+            self._remember_failed(room, now)
+        self._trace.finish(room, state, mark, now)
         self._rooms.forget(room)
         self._per_room.clear(room)
+
+    def _remember_failed(self, room: int, now: float) -> None:
+        memory = self._failed_rooms
+        memory.pop(room, None)
+        memory[room] = now
+        self._expire_failed_rooms(now)
+
+    def _expire_failed_rooms(self, now: float) -> None:
+        memory = self._failed_rooms
+        horizon = now - self.config.bootstrap_timeout
+        while memory:
+            oldest, at = next(iter(memory.items()))
+            if at > horizon and len(memory) <= FAILED_ROOM_MEMORY:
+                break
+            del memory[oldest]
+
+    def _recently_failed(self, room: int, now: float) -> bool:
+        at = self._failed_rooms.get(room)
+        return at is not None and now - at < self.config.bootstrap_timeout
 
     def _abort_room(
         self,
@@ -535,8 +611,22 @@ class PrefillCore:
             self._abort_room(
                 room, f"Decode session {session_id} registration rejected: {reason}", now
             )
-        self._registrations.pop(session_id, None)
-        self._rejected[session_id] = (route.endpoint, route.port)
+        replaced = self._registrations.pop(session_id, None)
+        rejected = self._rejected
+        rejected.pop(session_id, None)
+        rejected[session_id] = (route.endpoint, route.port)
+        while len(rejected) > REJECTED_SESSION_MEMORY:
+            del rejected[next(iter(rejected))]
+        if replaced is not None and not self._route_in_use(replaced.route):
+            # The stored registration's route is no session's any more.
+            self._commands.append(CloseRoute(*replaced.route))
+
+    def _route_in_use(self, route: tuple[str, int]) -> bool:
+        """Whether a registered or rejected session still replies on ``route`` (a
+        scan: only a registration's rejection or a send failure asks)."""
+        return route in self._rejected.values() or any(
+            r.route == route for r in self._registrations.values()
+        )
 
     def _handle_preallocation(self, frames: list[bytes], now: float) -> None:
         try:
@@ -570,8 +660,12 @@ class PrefillCore:
         registered = self._registrations.get(session_id)
         if registered is None:
             raise PlanError(_UNREGISTERED)
-        if self._rooms.state(room) is RoomState.FAILED:
-            # Not an error: the room failed earlier; this destination hears it now.
+        state = self._rooms.state(room)
+        if state is RoomState.FAILED or (
+            state is RoomState.ABSENT and self._recently_failed(room, now)
+        ):
+            # Not an error: the room failed earlier (and may have been forgotten
+            # since); this destination hears it now.
             self._notify_failed(registered.route, room)
             return
         manifest = preallocation.manifest()
@@ -617,6 +711,7 @@ class PrefillCore:
         if rid in self._senders:
             raise ProtocolError(f"request {rid} is already registered (room {room})")
         self._per_room.usage.pop(room, None)
+        self._failed_rooms.pop(room, None)
         self._rooms.fire(room, PrefillTrigger.REGISTER)
         self._per_room.unclaimed.pop(room)
         self._tracked[room] = self._tracked.get(room, 0) + 1
@@ -642,8 +737,17 @@ class PrefillCore:
                 elif value == bootstrapping and now - sender.started >= timeout:
                     self._bootstrap_timed_out(sender, now)
                     value = failed
+                elif self._faults is not None and self._faults.fires():
+                    self._inject_failure(sender, now)
+                    value = failed
             append(value)
         return values
+
+    def _inject_failure(self, sender: _Sender, now: float) -> None:
+        assert self._faults is not None
+        reason = self._faults.reason(sender.room)
+        self._abort_room(sender.room, reason, now, reason_class=ReasonClass.INJECTED)
+        sender.concluded = _FAILED
 
     def _bootstrap_timed_out(self, sender: _Sender, now: float) -> None:
         elapsed = now - sender.started
@@ -776,6 +880,11 @@ class PrefillCore:
         if not 0 <= bootstrap_token <= _MAX_TOKEN:
             raise PlanError(_TOKEN_UNAVAILABLE)
         candidates = tuple(spec_candidate_ids)
+        if len(candidates) > wire.MAX_SPEC_CANDIDATES:
+            raise PlanError(
+                f"room {room} has {len(candidates)} speculative candidate ids, more than "
+                f"the {wire.MAX_SPEC_CANDIDATES} a status message carries"
+            )
         if any(not _MIN_INT32 <= c <= _MAX_INT32 for c in candidates):
             raise PlanError(
                 f"speculative candidate ids of room {room} must be int32 token ids, "
@@ -953,6 +1062,13 @@ class PrefillCore:
             return
         if selection.is_final:
             self._per_room.in_flight.add(room)
+        if self.config.layerwise_debug:
+            self._log(
+                LogLevel.INFO,
+                f"[cache_layerwise_transfer] room={room} wait_cache_steps={targets} "
+                f"peers={len(writes[0]) if writes else 0} final={selection.is_final}",
+                room,
+            )
         self._start(
             room,
             destinations,
@@ -1009,19 +1125,57 @@ class PrefillCore:
         with ``"CachePD transfer failed: …"`` unless it already ended, in which case
         the first failure's reason stands (spec §12 item 11)."""
         self._per_room.in_flight.discard(room)
+        close: tuple[str, int] | None = None
         if session_id is not None:
+            newly_failed = self.session_alive(session_id, now)
             self._mark_session_failed(session_id, now)
             route = self._route_of(session_id)
             where = f"{route[0]}:{route[1]}" if route else session_id
             error = f"Mooncake transfer failed for {where}: {error}"
+            if newly_failed:
+                close = route
         if self._rooms.ended(room):
             self._log(
                 LogLevel.DEBUG,
                 f"dropping an ended room's transfer error (room {room}): {error}",
                 room,
             )
+        else:
+            self._abort_room(room, f"CachePD transfer failed: {error}", now)
+        if close is not None:
+            # The Decode is probably gone: close its socket once the failure notices
+            # just queued had their moment; a later message reopens it.
+            self._commands.append(CloseRoute(*close))
+
+    def send_failed(self, endpoint: str, port: int, error: str, now: float) -> None:
+        """The shell cannot send to the route ``endpoint:port`` at all (libzmq refused
+        the address, or the socket failed): every session replying there is dropped
+        (registration and rejected route forgotten) and each room with one of them
+        as a destination fails with the reason, its other destinations told. Other
+        sessions are untouched; a new valid registration brings a session back."""
+        route = (endpoint, port)
+        sessions = {sid for sid, r in self._registrations.items() if r.route == route}
+        sessions.update(sid for sid, r in self._rejected.items() if r == route)
+        if not sessions:
             return
-        self._abort_room(room, f"CachePD transfer failed: {error}", now)
+        self._log(
+            LogLevel.ERROR,
+            f"dropping Decode session(s) {', '.join(sorted(sessions))}: {error}",
+        )
+        for session_id in sessions:
+            self._registrations.pop(session_id, None)
+            self._rejected.pop(session_id, None)
+        destinations = self._per_room.destinations
+        affected = [
+            room
+            for room, dests in destinations.items()
+            if any(d.session_id in sessions for d in dests)
+        ]
+        for room in affected:
+            # Not notified: that route is the one that cannot be reached.
+            kept = [d for d in destinations[room] if d.session_id not in sessions]
+            destinations[room] = kept
+            self._abort_room(room, f"Decode unreachable: {error}", now)
 
     # ------------------------------------------------------------------ timers
 
@@ -1046,6 +1200,7 @@ class PrefillCore:
         ascending room order, telling each non-dummy destination of a room that had
         not failed (spec §7.10); expire failed-session marks past their TTL."""
         ttl = self.config.bootstrap_timeout
+        self._expire_failed_rooms(now)
         expired = sorted(self._per_room.unclaimed.pop_expired(now, ttl))
         if expired:
             self._log(

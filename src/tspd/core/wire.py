@@ -21,6 +21,13 @@ Messages and their direction:
   sends the 7-frame form (§14.1), :func:`decode_status` accepts 3..7;
 * EPD embedding status (Encode → Prefill, 3 frames, §4.7).
 
+Bounds for the sockets: :data:`MAX_CONTROL_FRAME_BYTES` and
+:data:`MAX_STATUS_FRAME_BYTES` are the largest frame a legal message of each socket
+has (the shell sets them as ``ZMQ_MAXMSGSIZE``, which libzmq applies per frame),
+:data:`MAX_CONTROL_FRAMES` and :data:`MAX_STATUS_FRAMES` the most frames. A
+registration's reply endpoint is checked to be usable as a ZMQ address (§3) before
+anything connects to it.
+
 The two hot paths, pre-allocation decoding and status encoding, avoid regexes and
 per-call setup: integer frames are checked with ``bytes`` predicates and the
 constant frames are precomputed.
@@ -28,6 +35,7 @@ constant frames are precomputed.
 
 from __future__ import annotations
 
+import ipaddress
 import struct
 from dataclasses import dataclass, field
 from typing import Final
@@ -39,12 +47,18 @@ from tspd.core.poll import TransferPoll
 
 __all__ = [
     "MAX_CONTRACT_BYTES",
+    "MAX_CONTROL_FRAMES",
+    "MAX_CONTROL_FRAME_BYTES",
     "MAX_DECODE_TP_SIZE",
     "MAX_ENDPOINT_CHARS",
+    "MAX_HOST_CHARS",
     "MAX_MANIFEST_BYTES",
     "MAX_RANK",
     "MAX_ROOM",
     "MAX_SESSION_CHARS",
+    "MAX_SPEC_CANDIDATES",
+    "MAX_STATUS_FRAMES",
+    "MAX_STATUS_FRAME_BYTES",
     "REGISTRATION_MARKER",
     "EmbeddingStatus",
     "Preallocation",
@@ -62,6 +76,7 @@ __all__ = [
     "encode_registration",
     "encode_status",
     "encode_uint",
+    "endpoint_problem",
     "failure_notice",
     "is_registration",
     "session_port",
@@ -77,12 +92,33 @@ MAX_DECODE_TP_SIZE: Final = 1024
 # Bounds the specification leaves open; chosen wide enough for any real topology.
 # A status rank is pp_rank * tp_size + tp_rank (§4.5), kept inside int32.
 MAX_RANK: Final = 2**31 - 1
+#: The longest host name in a registration's endpoint (DNS: 253 characters).
+MAX_HOST_CHARS: Final = 253
+#: Speculative candidates one status may carry. Drafters propose a handful of
+#: tokens (EAGLE/MTP: up to a few dozen); 4096 is far above any of them and keeps a
+#: status's candidate frame within 16 KiB. Checked on the frame's length, before
+#: a single candidate is converted.
+MAX_SPEC_CANDIDATES: Final = 4096
 _MIN_TOKEN: Final = -(2**63)
 _MAX_TOKEN: Final = 2**63 - 1
 
 _REGISTRATION_FRAMES: Final = 8
 _PREALLOCATION_FRAMES: Final = 3
 _ZERO: Final = 48  # ord("0")
+
+# What the receiving sockets accept (libzmq's ZMQ_MAXMSGSIZE bounds each frame, not
+# the sum of a message's frames, so these are largest *frames*).
+#: Prefill control socket: a pre-allocation's manifest (2 MiB, §4.4, §5.5) is the
+#: largest frame; a registration's is its contract (256 KiB, §4.3, §5.1), its other
+#: frames are at most 512 bytes (the session id).
+MAX_CONTROL_FRAME_BYTES: Final = max(MAX_MANIFEST_BYTES, MAX_CONTRACT_BYTES, MAX_SESSION_CHARS)
+#: Prefill control socket: a registration's 8 frames (a pre-allocation has 3).
+MAX_CONTROL_FRAMES: Final = _REGISTRATION_FRAMES
+#: Decode status socket: the candidate frame, 4 bytes a candidate (16 KiB); the
+#: integer frames are at most 20 bytes and the logprob 8 (§4.5).
+MAX_STATUS_FRAME_BYTES: Final = 4 * MAX_SPEC_CANDIDATES
+#: Decode status socket: the 7-frame form (§4.5, §14.1).
+MAX_STATUS_FRAMES: Final = 7
 
 _MSG_HEADER: Final = "Rejecting malformed Mooncake bootstrap message header"
 _MSG_REGISTRATION_FRAMES: Final = "CachePD slab registration requires exactly 8 frames"
@@ -159,6 +195,58 @@ def _check_ascii(text: str, max_chars: int, message: str) -> bytes:
     return text.encode("ascii")
 
 
+# ---------------------------------------------------------------------------- endpoint
+
+_LABEL_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 64 else repr(text[:64]) + "..."
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why a registration's ``endpoint`` cannot be the host of a reply address, or
+    ``None`` when it can; ``endpoint`` is ASCII of 1..255 characters.
+
+    The reply goes to ``tcp://<host>:<port>`` where ``host`` is the part of
+    ``endpoint`` before its first ``:`` (§3). ``host`` must be a host name (labels
+    of 1..63 letters, digits, ``-`` and ``_``, not starting or ending with ``-``,
+    at most 253 characters, one trailing ``.`` allowed) or a dotted-quad IPv4
+    address. The whole endpoint must be printable without spaces: it appears in
+    logs. IPv6 literals are refused: the first-``:`` rule cannot carry them.
+    """
+    if not endpoint.isprintable() or " " in endpoint:
+        return f"{_shown(endpoint)} contains spaces or control characters"
+    host = endpoint.partition(":")[0]
+    if endpoint.startswith("[") or endpoint.count(":") > 1:
+        return (
+            f"{_shown(endpoint)} looks like an IPv6 literal, which cannot be used: the "
+            "reply host is the part before the first ':'"
+        )
+    if not host:
+        return f"{_shown(endpoint)} has no host before its ':'"
+    if len(host) > MAX_HOST_CHARS:
+        return f"its host has {len(host)} characters, more than {MAX_HOST_CHARS}"
+    labels = host.split(".")
+    if all(label.isdigit() for label in labels):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return f"{_shown(host)} is not a dotted-quad IPv4 address"
+        return None
+    if len(labels) > 1 and not labels[-1]:
+        labels.pop()  # a fully qualified name's trailing dot
+    for label in labels:
+        if (
+            not 0 < len(label) <= 63
+            or not _LABEL_CHARS.issuperset(label)
+            or label[0] == "-"
+            or label[-1] == "-"
+        ):
+            return f"{_shown(host)} is not a host name or IPv4 address"
+    return None
+
+
 # ---------------------------------------------------------------------- discrimination
 
 
@@ -222,10 +310,15 @@ class Registration:
 
 def decode_registration_route(frames: list[bytes]) -> RouteHeader:
     """Decode a registration's route header, checking frames 0, 1, 3, 2 in that order
-    (§4.3) and nothing else."""
+    (§4.3) and nothing else. The endpoint must also pass :func:`endpoint_problem`:
+    an endpoint no socket can connect to is no route (the registration is dropped,
+    §7.9.4), and the error says why."""
     if len(frames) != _REGISTRATION_FRAMES or frames[0] != REGISTRATION_MARKER:
         raise WireError(_MSG_REGISTRATION_FRAMES)
     endpoint = _ascii(frames[1], MAX_ENDPOINT_CHARS, _MSG_ENDPOINT)
+    problem = endpoint_problem(endpoint)
+    if problem is not None:
+        raise WireError(f"{_MSG_ENDPOINT}: {problem}")
     session_id = _ascii(frames[3], MAX_SESSION_CHARS, _MSG_SESSION)
     port = _uint(frames[2], "CachePD registration port", 1, MAX_PORT, 5)
     return RouteHeader(endpoint, port, session_id)
@@ -267,6 +360,9 @@ def encode_registration(registration: Registration) -> list[bytes]:
     (§14.2) and the contract frame is ``registration.contract_bytes``."""
     reg = registration
     endpoint = _check_ascii(reg.endpoint, MAX_ENDPOINT_CHARS, _MSG_ENDPOINT)
+    problem = endpoint_problem(reg.endpoint)
+    if problem is not None:
+        raise WireError(f"{_MSG_ENDPOINT}: {problem}")
     session = _check_ascii(reg.session_id, MAX_SESSION_CHARS, _MSG_SESSION)
     if not 1 <= reg.port <= MAX_PORT:
         raise WireError("CachePD registration port is out of range")
@@ -396,6 +492,11 @@ def encode_status(message: StatusMessage) -> list[bytes]:
     ):
         raise WireError(f"status message for room {m.room} has a value out of range: {m!r}")
     candidates = m.spec_candidate_ids
+    if len(candidates) > MAX_SPEC_CANDIDATES:
+        raise WireError(
+            f"status message for room {m.room} has {len(candidates)} speculative "
+            f"candidates, more than {MAX_SPEC_CANDIDATES}"
+        )
     if candidates:
         try:
             packed = struct.pack(f"<{len(candidates)}i", *candidates)
@@ -456,13 +557,17 @@ def _status_token(frame: bytes) -> int:
 
 
 def _status_candidates(frame: bytes) -> tuple[int, ...]:
-    if not frame:
+    size = len(frame)
+    if not size:
         return ()
-    if len(frame) % 4:
+    if size > MAX_STATUS_FRAME_BYTES:
         raise _status_error(
-            f"speculative candidate frame has {len(frame)} bytes, not a multiple of 4"
+            f"speculative candidate frame has {size} bytes, more than "
+            f"{MAX_STATUS_FRAME_BYTES} ({MAX_SPEC_CANDIDATES} candidates)"
         )
-    return struct.unpack(f"<{len(frame) // 4}i", frame)
+    if size % 4:
+        raise _status_error(f"speculative candidate frame has {size} bytes, not a multiple of 4")
+    return struct.unpack(f"<{size // 4}i", frame)
 
 
 def _status_logprob(frame: bytes) -> float | None:
@@ -478,8 +583,10 @@ def decode_status(frames: list[bytes]) -> StatusMessage:
     """Decode a status message of 3..7 frames (§4.5); absent trailing frames read as
     token ``-1``, no candidates, ``0`` cached tokens and no logprob.
 
-    Integers must be exactly what ``str(int)`` writes (a ``-`` only on the token).
-    Errors read ``"Rejecting malformed Prefill status message: <detail>"``.
+    Integers must be exactly what ``str(int)`` writes (a ``-`` only on the token);
+    at most :data:`MAX_SPEC_CANDIDATES` candidates, checked on the frame's length
+    before any is converted. Errors read ``"Rejecting malformed Prefill status
+    message: <detail>"``.
     """
     count = len(frames)
     if not 3 <= count <= 7:

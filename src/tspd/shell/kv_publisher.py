@@ -72,7 +72,7 @@ from tspd.core.replay import (
     replay_reply_frames,
 )
 from tspd.shell.nursery import single_error
-from tspd.shell.zmq import TrioSocket, open_socket
+from tspd.shell.zmq import MAX_MESSAGE_FRAMES, TrioSocket, open_socket
 
 __all__ = [
     "PUBLISHERS",
@@ -100,6 +100,11 @@ _SEND_BATCH: Final = 256
 _REPLAY_YIELD_EVERY: Final = 64
 # Replays served at the same time (to different clients).
 _REPLAY_CONCURRENCY: Final = 8
+# The largest frame the replay ROUTER takes from a client (ZMQ_MAXMSGSIZE, per
+# frame): a request is [empty, start_seq] with an 8-byte start_seq (spec §9.4; a
+# longer one is read by its last 8 bytes). open_socket raises it to its handshake
+# floor (1 KiB), which is what applies.
+_MAX_REQUEST_FRAME_BYTES: Final = 64
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -608,7 +613,13 @@ async def open_kv_publisher(
     router: TrioSocket | None = None
     replay_bound: str | None = None
     if replay_endpoint is not None:
-        router = open_socket(context, zmq.ROUTER)
+        router = open_socket(
+            context,
+            zmq.ROUTER,
+            max_frame_bytes=_MAX_REQUEST_FRAME_BYTES,
+            max_frames=MAX_MESSAGE_FRAMES,
+            name=f"KV event replay ROUTER of DP rank {dp_rank}",
+        )
         router.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         hwm = replay_sndhwm if replay_sndhwm is not None else config.buffer_steps + 64
         router.sock.setsockopt(zmq.SNDHWM, hwm)

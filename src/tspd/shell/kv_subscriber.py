@@ -15,7 +15,10 @@ honest:
 
 Each publisher gets a SUB socket (subscribed to the topic prefix) and, when it has
 a replay endpoint, a DEALER for the replay protocol (a REQ socket would only see
-the first reply). The ordering, deduplication and gap logic is
+the first reply). Both bound what a publisher can make them hold: frames of at most
+``max_batch_bytes`` (:data:`MAX_BATCH_BYTES` by default) and at most
+:data:`~tspd.shell.zmq.MAX_MESSAGE_FRAMES` frames a message. The ordering,
+deduplication and gap logic is
 :class:`tspd.core.seqtrack.SeqTracker`; this module only moves bytes and time.
 Payloads in TokenSpeed's array form and vLLM's map form are both decoded, so the
 same subscriber follows TokenSpeed, vLLM and SGLang engines.
@@ -49,9 +52,10 @@ from tspd.core.seqtrack import (
 )
 from tspd.core.seqtrack import PublisherRestarted as _Restarted
 from tspd.shell.nursery import single_error
-from tspd.shell.zmq import TrioSocket, open_socket
+from tspd.shell.zmq import MAX_MESSAGE_FRAMES, TrioSocket, open_socket
 
 __all__ = [
+    "MAX_BATCH_BYTES",
     "BatchesLost",
     "EventSource",
     "KVEventSubscriber",
@@ -74,6 +78,15 @@ log = logging.getLogger(__name__)
 # 16 KiB a read (~17 batches), 17 young and no full ones, 29-35 us.
 _RECV_BATCH: Final = 128
 _RECV_BYTES: Final = 16 * 1024
+
+#: The largest payload frame a subscriber accepts by default (``ZMQ_MAXMSGSIZE`` on
+#: its SUB and DEALER; libzmq checks each frame, and disconnects a publisher that
+#: announces a larger one before storing it: that batch becomes a gap, healed by
+#: replay or reported lost). The protocol fixes no bound (§9): a batch is one
+#: scheduler round's cache mutations on one DP rank, about 24 bytes a removed block
+#: and 40-100 bytes a stored one (1-16 tokens), so 64 MiB is over 2.5 million
+#: removals or 650,000 16-token blocks in a single round.
+MAX_BATCH_BYTES: Final = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +204,7 @@ class _SourceFeed:
         topic: bytes,
         tracker: SeqTracker,
         out: trio.MemorySendChannel[list[SubscriberItem]],
+        max_batch_bytes: int = MAX_BATCH_BYTES,
     ) -> None:
         self.source = source
         self.label = source.label
@@ -199,7 +213,13 @@ class _SourceFeed:
         self._topic = topic
         self._deadline_changed = trio.Event()
         self._lock = trio.Lock()
-        self.sub = open_socket(ctx, zmq.SUB)
+        self.sub = open_socket(
+            ctx,
+            zmq.SUB,
+            max_frame_bytes=max_batch_bytes,
+            max_frames=MAX_MESSAGE_FRAMES,
+            name=f"KV event SUB for {source.label}",
+        )
         self.dealer: TrioSocket | None = None
         try:
             self.sub.sock.setsockopt(zmq.SUBSCRIBE, topic)
@@ -208,7 +228,13 @@ class _SourceFeed:
             else:
                 self.sub.sock.connect(source.endpoint)
             if source.replay_endpoint is not None:
-                self.dealer = open_socket(ctx, zmq.DEALER)
+                self.dealer = open_socket(
+                    ctx,
+                    zmq.DEALER,
+                    max_frame_bytes=max_batch_bytes,
+                    max_frames=MAX_MESSAGE_FRAMES,
+                    name=f"KV event replay DEALER for {source.label}",
+                )
                 self.dealer.sock.setsockopt(zmq.RCVHWM, 0)
                 self.dealer.sock.connect(source.replay_endpoint)
         except zmq.ZMQError as exc:
@@ -424,6 +450,7 @@ async def open_kv_subscriber(
     replay_timeout: float = 5.0,
     max_buffered: int = 64,
     ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+    max_batch_bytes: int = MAX_BATCH_BYTES,
 ) -> AsyncIterator[KVEventSubscriber]:
     """Follow ``sources`` until the block exits.
 
@@ -432,7 +459,8 @@ async def open_kv_subscriber(
     view); without it, delivery starts at the first live batch. ``max_buffered``
     groups of items (one group per read of a socket) wait for the consumer before
     the sockets stop being read (then libzmq's high-water marks drop live batches,
-    and the gaps are healed by replay).
+    and the gaps are healed by replay). ``max_batch_bytes``: the largest payload
+    accepted (:data:`MAX_BATCH_BYTES`); a larger batch is never received.
     """
     if not sources:
         raise ValueError("open_kv_subscriber needs at least one EventSource")
@@ -449,7 +477,9 @@ async def open_kv_subscriber(
                 catch_up=catch_up,
                 replay_timeout=replay_timeout,
             )
-            feeds[source.label] = _SourceFeed(source, context, topic.encode(), tracker, send)
+            feeds[source.label] = _SourceFeed(
+                source, context, topic.encode(), tracker, send, max_batch_bytes
+            )
         subscriber = KVEventSubscriber(feeds, receive)
         with single_error():  # the caller sees its own error, not our task group
             async with trio.open_nursery() as nursery:

@@ -6,10 +6,13 @@ duration of an ``async with`` block. The protocol decisions are the sans-IO
 the world. The peer's nursery owns:
 
 * the **control task** — the only owner of the PULL control socket (bound on the
-  configured host); it drains registrations and pre-allocations in batches into
+  configured host, frames and frame counts bounded by the protocol's largest
+  message); it drains registrations and pre-allocations in batches into
   ``core.receive_control`` (spec §7.9.4–7.9.5);
-* the **push pool** — one PUSH socket per Decode endpoint, one owner task, for
-  status messages and failure notices (spec §3);
+* the **push pool** — a bounded pool of PUSH sockets, one per Decode endpoint, one
+  owner task, for status messages and failure notices (spec §3). A route libzmq
+  cannot use fails only the rooms of the sessions replying there
+  (``core.send_failed``); a route the core releases is closed;
 * the **transfer workers** — sharded as the core says, so one room's chunks stay
   ordered; engine calls go through an :class:`AsyncTransferEngine`;
 * the **timer task** — sleeps until ``core.next_deadline()`` and hands the core
@@ -40,6 +43,7 @@ import zmq
 
 from tspd.core.bootstrap import build_route_payload
 from tspd.core.commands import (
+    CloseRoute,
     Command,
     Event,
     Failed,
@@ -52,6 +56,7 @@ from tspd.core.errors import ProtocolError, TspdError
 from tspd.core.machines import RoomState
 from tspd.core.prefill import ExtendRow, PrefillConfig, PrefillCore
 from tspd.core.trace import RoomTrace
+from tspd.core.wire import MAX_CONTROL_FRAME_BYTES
 from tspd.engines.base import AsyncTransferEngine, TransferError
 from tspd.log import component_logger
 from tspd.shell.agreement import ReplicaAgreement, SingleRank
@@ -60,12 +65,12 @@ from tspd.shell.bootstrap import BootstrapClient
 from tspd.shell.metrics import TspdMetrics
 from tspd.shell.nursery import single_error
 from tspd.shell.observe import PeerObserver
-from tspd.shell.pushes import PushPool
+from tspd.shell.pushes import DEFAULT_IDLE_TTL, DEFAULT_MAX_SOCKETS, PushPool
 from tspd.shell.steps import StepCounter
 from tspd.shell.threadsafe import LoopPortal
 from tspd.shell.timer import DeadlineTimer
 from tspd.shell.transfers import TransferWorkers
-from tspd.shell.zmq import TrioSocket, bind_free_port, open_socket
+from tspd.shell.zmq import MAX_MESSAGE_FRAMES, TrioSocket, bind_free_port, open_socket
 
 __all__ = [
     "ExtendRow",
@@ -98,6 +103,8 @@ class PrefillSettings:
     hand). ``world_size``, ``dp_size`` and ``engine_rank`` go into the ``PUT
     /route`` body, with ``extra_payload`` merged over it. ``control_batch`` caps
     how many control messages one drain takes before other tasks run.
+    ``push_sockets``/``push_idle_ttl``: the push pool's bound and idle TTL
+    (:class:`~tspd.shell.pushes.PushPool`).
     """
 
     host: str = "127.0.0.1"
@@ -107,6 +114,8 @@ class PrefillSettings:
     engine_rank: int = 0
     extra_payload: Mapping[str, Any] = field(default_factory=dict)
     control_batch: int = 256
+    push_sockets: int = DEFAULT_MAX_SOCKETS
+    push_idle_ttl: float = DEFAULT_IDLE_TTL
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +177,8 @@ class PrefillPeer:
         self._portal: LoopPortal | None = None
         self._outbox: PrefillOutbox | None = None
         self._activity = trio.Event()
+        # Routes the push pool could not send to, for the core (see _pump).
+        self._unreachable: list[tuple[str, int, str]] = []
 
     @property
     def session_id(self) -> str:
@@ -183,6 +194,15 @@ class PrefillPeer:
             self._activity.set()
         for command in self.core.drain_commands():
             self._execute(command)
+        while self._unreachable:
+            # The core fails those routes' rooms; their notices to other routes
+            # may fail in turn (each route at most once: its sessions are gone).
+            unreachable, self._unreachable = self._unreachable, []
+            now = trio.current_time()
+            for endpoint, port, error in unreachable:
+                self.core.send_failed(endpoint, port, error, now)
+            for command in self.core.drain_commands():
+                self._execute(command)
         self.observer.finished(self.core.drain_finished())
         self._timer.poke()
 
@@ -191,9 +211,15 @@ class PrefillPeer:
             if isinstance(command, RoomFailed):
                 self.failures.append(command)
         elif isinstance(command, SendFrames):
-            self._pushes.send_nowait(command.endpoint, command.port, command.frames, command.room)
+            error = self._pushes.send_nowait(
+                command.endpoint, command.port, command.frames, command.room
+            )
+            if error is not None:
+                self._unreachable.append((command.endpoint, command.port, error))
         elif isinstance(command, StartTransfer):
             self._workers.submit(command)
+        elif isinstance(command, CloseRoute):
+            self._pushes.release(command.endpoint, command.port)
         else:
             log.error("the Prefill core asked for a Decode-only command: %r", command)
 
@@ -450,7 +476,13 @@ class PrefillOutbox:
 
 
 def _bind_control(host: str, context: zmq.Context[zmq.Socket[bytes]]) -> tuple[TrioSocket, int]:
-    sock = open_socket(context, zmq.PULL)
+    sock = open_socket(
+        context,
+        zmq.PULL,
+        max_frame_bytes=MAX_CONTROL_FRAME_BYTES,
+        max_frames=MAX_MESSAGE_FRAMES,
+        name="Prefill control socket",
+    )
     try:
         port = bind_free_port(sock, host)
     except BaseException:
@@ -491,8 +523,13 @@ async def open_prefill_peer(
             config, arena_base=arena.base, arena_len=arena.size, session_id=engine.session_id
         )
     )
+    pushes = PushPool(
+        ctx,
+        name=f"Prefill rank {config.tp_rank}",
+        max_sockets=settings.push_sockets,
+        idle_ttl=settings.push_idle_ttl,
+    )
     control, port = _bind_control(settings.host, ctx)
-    pushes = PushPool(ctx, name=f"Prefill rank {config.tp_rank}")
     peer = PrefillPeer(
         core,
         engine=engine,

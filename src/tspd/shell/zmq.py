@@ -32,6 +32,11 @@ pyzmq's socket FD cannot simply be awaited like a TCP socket, and the naive patt
 7. **Closing** notifies Trio (``notify_closing``, so a task blocked on the FD gets
    ``ClosedResourceError`` instead of waiting on a recycled descriptor) and closes
    with ``linger=0`` by default: a closed tspd socket never keeps the process alive.
+8. **Bounded input.** A socket that receives from peers is opened with
+   ``max_frame_bytes`` (libzmq's ``ZMQ_MAXMSGSIZE``: it applies to *each frame*,
+   and a peer that announces a larger one is disconnected before a byte of it is
+   stored) and ``max_frames``: a message with more frames is taken off the socket
+   and dropped frame by frame, never turned into a list of Python objects.
 
 Every socket is owned by one Trio run; its methods are not thread-safe. Use
 :func:`bind_free_port` to bind to ``127.0.0.1`` on a port the OS chooses.
@@ -39,6 +44,7 @@ Every socket is owned by one Trio run; its methods are not thread-safe. Use
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Final, Self, final
@@ -47,7 +53,24 @@ import trio
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
-__all__ = ["TrioSocket", "bind_free_port", "open_socket"]
+from tspd.log import component_logger
+
+__all__ = ["MAX_MESSAGE_FRAMES", "MIN_FRAME_LIMIT", "TrioSocket", "bind_free_port", "open_socket"]
+
+log = component_logger("zmq")
+
+#: The smallest ``max_frame_bytes`` :func:`open_socket` sets. libzmq checks
+#: ``ZMQ_MAXMSGSIZE`` on every frame it decodes, the ZMTP handshake's READY command
+#: included, and that command carries the peer's routing id (up to 255 bytes) and
+#: socket type: below this bound a legal peer could not even connect.
+MIN_FRAME_LIMIT: Final = 1024
+#: ``max_frames`` of every socket that receives tspd protocol messages. The largest
+#: message of these protocols has 8 frames (a registration); twice that still hands
+#: a slightly malformed message to its decoder, which rejects it in the
+#: specification's words, while a message of thousands of frames is dropped unread.
+MAX_MESSAGE_FRAMES: Final = 16
+#: Seconds between two warnings about dropped many-frame messages on one socket.
+_DROP_WARN_EVERY_S: Final = 10.0
 
 # Plain ints: pyzmq's flag enums make every ``&`` and dict lookup a Python-level
 # call, and _kick runs after every operation.
@@ -71,10 +94,33 @@ class TrioSocket:
     single FD waiter and wakes the others as described in the module docstring.
     """
 
-    __slots__ = ("_closed", "_fd", "_fd_waiter", "_lot", "_want", "sock")
+    __slots__ = (
+        "_closed",
+        "_fd",
+        "_fd_waiter",
+        "_lot",
+        "_max_frames",
+        "_more_frames",
+        "_name",
+        "_want",
+        "_warned_at",
+        "dropped_messages",
+        "sock",
+    )
 
-    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+    def __init__(
+        self, sock: zmq.Socket[bytes], *, max_frames: int | None = None, name: str = ""
+    ) -> None:
+        if max_frames is not None and max_frames < 1:
+            raise ValueError(f"max_frames must be at least 1, got {max_frames}")
         self.sock: zmq.Socket[bytes] = sock
+        # More frames than this and a received message is dropped (see _recv_now).
+        self._max_frames = max_frames if max_frames is not None else 1 << 62
+        self._more_frames = range(self._max_frames - 1)
+        self._name = name or "a ZMQ socket"
+        #: Messages dropped on receipt for having more than ``max_frames`` frames.
+        self.dropped_messages = 0
+        self._warned_at = -_DROP_WARN_EVERY_S
         fd = sock.getsockopt(zmq.FD)
         assert isinstance(fd, int)
         self._fd: int = fd
@@ -198,16 +244,46 @@ class TrioSocket:
         """Take one whole message off the socket; :class:`zmq.Again` if none is queued.
 
         The parts of a multipart message arrive together, so only the first can fail.
+        A message of more than ``max_frames`` frames is dropped (see
+        :meth:`_drop_rest`) and reported as :class:`zmq.Again`; the caller's wait
+        sees the socket still readable when more is queued.
         """
         recv = self.sock.recv
         # A Frame says itself whether more parts follow; asking the socket
         # (``RCVMORE``) costs more than taking the frame and copying its bytes.
         frame = recv(_NOBLOCK, False)
         parts = [frame.bytes]
-        while frame.more:
+        # Iterating a range bounds the frames for less than counting them.
+        for _ in self._more_frames:
+            if not frame.more:
+                return parts
             frame = recv(_NOBLOCK, False)
             parts.append(frame.bytes)
+        if frame.more:
+            self._drop_rest(frame, len(parts))
+            raise zmq.Again()
         return parts
+
+    def _drop_rest(self, frame: zmq.Frame, taken: int) -> None:
+        """Take the rest of an over-long message off the socket without keeping it."""
+        recv = self.sock.recv
+        count = taken
+        while frame.more:
+            frame = recv(_NOBLOCK, False)
+            count += 1
+        self._kick()  # these receives may have consumed another waiter's edge
+        self.dropped_messages += 1
+        now = time.monotonic()
+        if now - self._warned_at >= _DROP_WARN_EVERY_S:
+            self._warned_at = now
+            log.warning(
+                "%s: dropped a message of %d frames (at most %d expected); %d such "
+                "messages so far. A peer speaks another protocol or sends garbage",
+                self._name,
+                count,
+                self._max_frames,
+                self.dropped_messages,
+            )
 
     # -- sending -----------------------------------------------------------------
 
@@ -307,11 +383,32 @@ class TrioSocket:
         return f"<TrioSocket {self.sock.socket_type} {kind}>"
 
 
-def open_socket(ctx: zmq.Context[zmq.Socket[bytes]], socket_type: int) -> TrioSocket:
-    """Create a socket of ``socket_type`` on ``ctx`` with ``linger=0`` and wrap it."""
+def open_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    socket_type: int,
+    *,
+    max_frame_bytes: int | None = None,
+    max_frames: int | None = None,
+    name: str = "",
+) -> TrioSocket:
+    """Create a socket of ``socket_type`` on ``ctx`` with ``linger=0`` and wrap it.
+
+    For a socket that receives from peers: ``max_frame_bytes`` sets
+    ``ZMQ_MAXMSGSIZE`` (per frame; raised to :data:`MIN_FRAME_LIMIT` so handshakes
+    pass) before any bind or connect, so a peer announcing a larger frame is
+    disconnected unread; ``max_frames`` drops messages with more frames on receipt
+    (counted in :attr:`TrioSocket.dropped_messages`). ``name`` says in warnings
+    which socket it is.
+    """
     sock = ctx.socket(socket_type)
-    sock.setsockopt(zmq.LINGER, 0)
-    return TrioSocket(sock)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        if max_frame_bytes is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, max(max_frame_bytes, MIN_FRAME_LIMIT))
+        return TrioSocket(sock, max_frames=max_frames, name=name)
+    except BaseException:
+        sock.close(linger=0)
+        raise
 
 
 def bind_free_port(sock: TrioSocket | zmq.Socket[bytes], host: str = "127.0.0.1") -> int:
