@@ -18,12 +18,12 @@ from tspd.core.commands import Bootstrapped, Event, RemotePrefillDone, Succeeded
 from tspd.core.decode import DecodeConfig
 from tspd.core.manifest import build_manifest
 from tspd.core.prefill import PrefillConfig
+from tspd.layouts import PageAllocator, mha_contract
 from tspd.shell.arena import HostArena, fill_room, verify_room
 from tspd.shell.bootstrap import open_bootstrap_server
 from tspd.shell.decode import DecodePeer, open_decode_peer
 from tspd.shell.prefill import PrefillPeer, PrefillSettings, RemoteDecodeRow, open_prefill_peer
 from tspd.testing.fake_engine import AsyncFakeEngine, FakeFabric
-from tspd.testing.layouts import PageAllocator, simple_contract
 
 ROOM = 7  # the request's bootstrap room, shared by both sides
 PROMPT = 40  # prompt tokens: 3 pages of 16 tokens
@@ -42,7 +42,12 @@ async def next_event(peer: PrefillPeer | DecodePeer, rid: str) -> Event:
 
 
 async def main() -> None:
-    contract = simple_contract(num_pages=8, page_bytes=4096)  # both sides' cache layout
+    # Both sides' cache layout: a small GQA model (2 layers, 8 KV heads of 128, bf16)
+    # with 8 pages of 16 tokens each; tspd.layouts also builds MLA, sliding-window,
+    # state and tensor-parallel layouts.
+    contract = mha_contract(
+        num_layers=2, num_kv_heads=8, head_dim=128, page_tokens=16, num_pages=8, dtype="bf16"
+    )
     fabric = FakeFabric()  # the in-process "network" the fake engines share
     with HostArena.for_contract(contract) as p_mem, HostArena.for_contract(contract) as d_mem:
         async with (

@@ -7,6 +7,7 @@ Layers (imports go one way only):
   mooncake or clock.
 * :mod:`tspd.shell` -- the Trio shell: sockets, tasks, threads, timers.
 * :mod:`tspd.engines` -- transfer engines (Mooncake) behind one small protocol.
+* :mod:`tspd.layouts` -- cache transfer contracts for real model shapes.
 * :mod:`tspd.testing` -- public test helpers.
 * :mod:`tspd.cli` -- the ``tspd`` command.
 """

@@ -31,6 +31,7 @@ from rich.table import Table
 from tspd.core.contract import CacheContract
 from tspd.core.copies import CopyPlan, coalesce, plan_copies, plan_steps
 from tspd.core.interop import bootstrap_token_and_candidates
+from tspd.core.manifest import BlockManifest, build_manifest
 from tspd.core.planner import PlannedRegistration, plan_registration
 from tspd.core.poll import TransferPoll
 from tspd.core.wire import (
@@ -40,9 +41,17 @@ from tspd.core.wire import (
     encode_preallocation,
     encode_status,
 )
-from tspd.testing.layouts import multi_layer_contract, room_manifest, simple_contract
+from tspd.layouts import CacheTensor, HistoryGroup, PageAllocator, build_contract, mha_contract
 
-__all__ = ["Row", "Sizes", "core", "measure", "run_core_benchmarks"]
+__all__ = [
+    "Row",
+    "Sizes",
+    "core",
+    "fresh_manifest",
+    "measure",
+    "one_field_contract",
+    "run_core_benchmarks",
+]
 
 _PAGE_TOKENS = 16
 _HEADS = 8
@@ -101,15 +110,37 @@ def _micros(fn: Callable[[], object], sizes: Sizes) -> float:
     return measure(fn, min_seconds=sizes.min_seconds, rounds=sizes.rounds) * 1e6
 
 
-def _contract(sizes: Sizes, *, heads: int, tp_size: int) -> CacheContract:
-    return multi_layer_contract(
-        layers=sizes.layers,
-        num_pages=sizes.pages,
-        heads=heads,
+def one_field_contract(*, num_pages: int, page_bytes: int) -> CacheContract:
+    """Group ``"full"`` of 16-token pages holding one field, ``layer.0.kv``, of
+    ``page_bytes`` bytes a page, whole on every rank: the smallest thing a transfer
+    moves (the hand-over rows here, and ``tspd bench pd``)."""
+    tensor = CacheTensor("kv", (page_bytes // 16,), dtype="uint8")
+    group = HistoryGroup("full", (0,), (tensor,), page_tokens=16)
+    return build_contract([group], num_pages=num_pages)
+
+
+def fresh_manifest(
+    contract: CacheContract,
+    prompt_len: int,
+    *,
+    rng: random.Random | None = None,
+    contiguous: bool = True,
+) -> BlockManifest:
+    """A manifest for one ``prompt_len``-token room from a fresh
+    :class:`~tspd.layouts.PageAllocator` of ``contract``."""
+    tables = PageAllocator(contract, rng=rng, contiguous=contiguous).allocate(prompt_len)
+    return build_manifest(contract, tables, 0, prompt_len)
+
+
+def _contract(sizes: Sizes, *, tp_size: int) -> CacheContract:
+    """The benchmark model (``_HEADS`` KV heads of ``_HEAD_DIM``) on one TP rank."""
+    return mha_contract(
+        num_layers=sizes.layers,
+        num_kv_heads=_HEADS,
         head_dim=_HEAD_DIM,
-        tp_size=tp_size,
-        global_heads=_HEADS,
         page_tokens=_PAGE_TOKENS,
+        num_pages=sizes.pages,
+        tp_size=tp_size,
     )
 
 
@@ -121,8 +152,8 @@ def _plan_rows(
     registration: PlannedRegistration,
 ) -> list[Row]:
     prompt_len = sizes.pages * _PAGE_TOKENS
-    src_manifest = room_manifest(src, prompt_len)
-    dst_manifest = room_manifest(dst, prompt_len)
+    src_manifest = fresh_manifest(src, prompt_len)
+    dst_manifest = fresh_manifest(dst, prompt_len)
 
     def plan() -> CopyPlan:
         return plan_copies(
@@ -159,10 +190,10 @@ def _plan_rows(
 
 def _hand_over_row(pages: int, sizes: Sizes) -> Row:
     """One room's coalesced plan the way ``PrefillCore.hand_over`` builds it."""
-    contract = simple_contract(num_pages=2 * pages + 8, page_bytes=_HAND_OVER_PAGE_BYTES)
+    contract = one_field_contract(num_pages=2 * pages + 8, page_bytes=_HAND_OVER_PAGE_BYTES)
     prompt_len = pages * 16
-    src_manifest = room_manifest(contract, prompt_len, rng=random.Random(1), contiguous=False)
-    dst_manifest = room_manifest(contract, prompt_len, rng=random.Random(2), contiguous=False)
+    src_manifest = fresh_manifest(contract, prompt_len, rng=random.Random(1), contiguous=False)
+    dst_manifest = fresh_manifest(contract, prompt_len, rng=random.Random(2), contiguous=False)
     registration = plan_registration(
         prefill_tp=1,
         prefill_rank=0,
@@ -194,8 +225,8 @@ def run_core_benchmarks(sizes: Sizes) -> tuple[list[Row], str]:
     rows: list[Row] = []
 
     # Wire: a Decode manifest of `pages` pages, as a Prefill rank receives it.
-    decode_tp1 = _contract(sizes, heads=_HEADS, tp_size=1)
-    manifest = room_manifest(decode_tp1, sizes.pages * _PAGE_TOKENS)
+    decode_tp1 = _contract(sizes, tp_size=1)
+    manifest = fresh_manifest(decode_tp1, sizes.pages * _PAGE_TOKENS)
     frames = encode_preallocation(2**62 + 12345, "10.0.0.2:16001", manifest)
 
     def preallocation() -> object:
@@ -237,7 +268,7 @@ def run_core_benchmarks(sizes: Sizes) -> tuple[list[Row], str]:
             decode_contract=decode_tp1,
         )
 
-    decode_tp2 = _contract(sizes, heads=_HEADS // 2, tp_size=2)
+    decode_tp2 = _contract(sizes, tp_size=2)
 
     def fragmented() -> PlannedRegistration:
         return plan_registration(

@@ -38,10 +38,10 @@ from typing import Any
 import click
 import trio
 
+from tspd.bench.core import one_field_contract
 from tspd.bench.raw import MooncakeLimit, ZmqLimit, measure_mooncake, measure_zmq_rtt
 from tspd.demo.orchestrate import DemoOptions, DemoSummary, percentile, run_demo
 from tspd.demo.workload import Workload
-from tspd.testing.layouts import simple_contract
 
 __all__ = ["PdFigures", "pd", "run_pd_bench"]
 
@@ -67,7 +67,7 @@ class PdFigures:
 
 def _contract_file(directory: str, pages: int) -> str:
     path = Path(directory) / f"contract-{pages}.json"
-    path.write_bytes(simple_contract(num_pages=pages, page_bytes=PAGE).to_json())
+    path.write_bytes(one_field_contract(num_pages=pages, page_bytes=PAGE).to_json())
     return str(path)
 
 

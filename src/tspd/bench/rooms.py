@@ -31,12 +31,12 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from tspd.bench.core import measure
+from tspd.bench.core import fresh_manifest, measure
 from tspd.core import wire
 from tspd.core.machines import PREFILL_ROOM, PREFILL_ROOM_TABLE, PrefillTrigger, RoomState
 from tspd.core.prefill import PrefillConfig, PrefillCore
+from tspd.layouts import mha_contract
 from tspd.testing.core_pair import CorePair
-from tspd.testing.layouts import multi_layer_contract, room_manifest
 
 __all__ = ["RoomRow", "RoomSizes", "rooms", "run_room_benchmarks"]
 
@@ -106,8 +106,14 @@ def _trigger_rows(sizes: RoomSizes) -> list[RoomRow]:
 def _journey_row(label: str, prefill_tp: int, decode_tp: int, sizes: RoomSizes) -> RoomRow:
     def contracts(tp: int) -> list:  # type: ignore[type-arg]
         return [
-            multi_layer_contract(
-                layers=2, num_pages=64, heads=4 // tp, head_dim=1, tp_size=tp, dtype="uint8"
+            mha_contract(
+                num_layers=2,
+                num_kv_heads=4,
+                head_dim=1,
+                page_tokens=4,
+                num_pages=64,
+                dtype="uint8",
+                tp_size=tp,
             )
             for _ in range(tp)
         ]
@@ -127,8 +133,13 @@ def _journey_row(label: str, prefill_tp: int, decode_tp: int, sizes: RoomSizes) 
 
 
 def _preallocation_row(sizes: RoomSizes) -> RoomRow:
-    contract = multi_layer_contract(
-        layers=4, num_pages=sizes.pages, heads=1, head_dim=1, dtype="uint8", page_tokens=16
+    contract = mha_contract(
+        num_layers=4,
+        num_kv_heads=1,
+        head_dim=1,
+        page_tokens=16,
+        num_pages=sizes.pages,
+        dtype="uint8",
     )
     core = PrefillCore(PrefillConfig(tp_size=1, tp_rank=0, contract=contract, arena_base=0x1000))
     session = "127.0.0.1:9000"
@@ -140,7 +151,7 @@ def _preallocation_row(sizes: RoomSizes) -> RoomRow:
         ),
         0.0,
     )
-    frames = wire.encode_preallocation(0, session, room_manifest(contract, sizes.pages * 16))
+    frames = wire.encode_preallocation(0, session, fresh_manifest(contract, sizes.pages * 16))
     rooms = itertools.count()
 
     def preallocate() -> None:
@@ -163,8 +174,13 @@ def _in_flight_pair(tracked: int, *, claimed: bool) -> CorePair:
 
     def contract() -> list:  # type: ignore[type-arg]
         return [
-            multi_layer_contract(
-                layers=1, num_pages=tracked + 1, heads=1, head_dim=1, dtype="uint8"
+            mha_contract(
+                num_layers=1,
+                num_kv_heads=1,
+                head_dim=1,
+                page_tokens=4,
+                num_pages=tracked + 1,
+                dtype="uint8",
             )
         ]
 

@@ -1,7 +1,10 @@
-"""Ready-made cache transfer contracts and block tables for tests, demos and benchmarks.
+"""Ready-made cache transfer contracts and block tables for tests.
 
-The builders return validated :class:`~tspd.core.contract.CacheContract` objects
-with small but realistic arenas:
+Product code builds its contracts with :mod:`tspd.layouts` (the supported builders
+for real model shapes) and allocates pages with :class:`tspd.layouts.PageAllocator`,
+re-exported here. The builders below are test fixtures with test-only knobs (any
+local/global head pairing, a toy state group); they return validated
+:class:`~tspd.core.contract.CacheContract` objects with small but realistic arenas:
 
 * :func:`simple_contract`: one full-history group, one plane, one field — the
   smallest thing a transfer can move (and the geometry of the §15 interop vectors).
@@ -11,15 +14,13 @@ with small but realistic arenas:
   the ``latest_snapshot`` policy.
 
 :func:`allocate_tables` and :func:`room_manifest` stand in for an engine's block
-manager: they hand one request a block id for every logical slot of its window.
-:class:`PageAllocator` does the same for many rooms at once without reusing a page.
+manager: they hand one request a block id for every logical slot of its window,
+from a fresh :class:`~tspd.layouts.PageAllocator`.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
-from typing import final
 
 from tspd.core.contract import (
     DTYPE_WIDTHS,
@@ -33,7 +34,8 @@ from tspd.core.contract import (
     TransferSchema,
 )
 from tspd.core.errors import ConfigError
-from tspd.core.manifest import BlockManifest, build_manifest, logical_slots
+from tspd.core.manifest import BlockManifest, build_manifest
+from tspd.layouts import PageAllocator
 
 __all__ = [
     "PageAllocator",
@@ -193,68 +195,6 @@ def multi_layer_contract(
     return CacheContract(plan, tuple(specs), TransferSchema(tuple(partitions)))
 
 
-@final
-class PageAllocator:
-    """Free pages per group of a contract, handed out one request at a time.
-
-    ``contiguous=True`` hands out the lowest free ids in order (a fresh allocator
-    gives a request pages ``1, 2, 3, …``); otherwise pages are drawn at random from
-    ``rng`` (``random.Random(0)`` when not given), the worst case for coalescing.
-    """
-
-    def __init__(
-        self,
-        contract: CacheContract,
-        *,
-        rng: random.Random | None = None,
-        contiguous: bool = True,
-    ) -> None:
-        self.contract = contract
-        self._rng = random.Random(0) if rng is None else rng
-        self._contiguous = contiguous
-        self._free = {gid: set(range(1, contract.page_count(gid))) for gid in contract.group_ids}
-
-    def free_pages(self, group_id: str) -> int:
-        """How many pages of ``group_id`` are free."""
-        return len(self._free[group_id])
-
-    def allocate(self, prompt_len: int, prefix_len: int = 0) -> dict[str, list[int]]:
-        """One request's block-table rows: per group, a distinct free block id at every
-        logical slot of the window ``[prefix_len, prompt_len)`` (spec §5.4); slots
-        before the window hold the null id 0. Raises :class:`ConfigError` (and takes
-        nothing) when a group runs out of pages."""
-        if not 0 <= prefix_len < prompt_len:
-            raise ConfigError(f"need 0 <= prefix_len < prompt_len, got {prefix_len}, {prompt_len}")
-        windows = {
-            gid: logical_slots(self.contract.group(gid), prefix_len, prompt_len)
-            for gid in self.contract.group_ids
-        }
-        for gid, slots in windows.items():
-            if len(slots) > len(self._free[gid]):
-                raise ConfigError(
-                    f"group {gid!r} has {len(self._free[gid])} free pages; "
-                    f"a {prompt_len}-token prompt needs {len(slots)}"
-                )
-        tables: dict[str, list[int]] = {}
-        for gid, slots in windows.items():
-            free = self._free[gid]
-            if self._contiguous:
-                picked = sorted(free)[: len(slots)]
-            else:
-                picked = self._rng.sample(sorted(free), len(slots))
-            free.difference_update(picked)
-            row = [0] * (slots.stop if slots else 0)
-            for slot, block in zip(slots, picked, strict=True):
-                row[slot] = block
-            tables[gid] = row
-        return tables
-
-    def release(self, tables: Mapping[str, Sequence[int]]) -> None:
-        """Return a request's pages (ids ≤ 0 are padding, not pages)."""
-        for gid, row in tables.items():
-            self._free[gid].update(int(block) for block in row if block > 0)
-
-
 def allocate_tables(
     contract: CacheContract,
     prompt_len: int,
@@ -263,7 +203,7 @@ def allocate_tables(
     rng: random.Random | None = None,
     contiguous: bool = True,
 ) -> dict[str, list[int]]:
-    """Block-table rows for one request from a fresh :class:`PageAllocator`."""
+    """Block-table rows for one request from a fresh :class:`~tspd.layouts.PageAllocator`."""
     allocator = PageAllocator(contract, rng=rng, contiguous=contiguous)
     return allocator.allocate(prompt_len, prefix_len)
 
