@@ -1,48 +1,73 @@
-"""TokenSpeed's PD environment variables and the typed peer configs (spec §7.8)."""
+"""TokenSpeed's PD environment variables: parsing, and that every documented variable
+changes what a peer does (docs/configuration.md)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tspd.core.commands import Bootstrapped, Failed, Log, StartTransfer
 from tspd.core.config import (
     ENV_BOOTSTRAP_TIMEOUT,
     ENV_FAILED_SESSION_TTL,
     ENV_HEARTBEAT_INTERVAL,
     ENV_HEARTBEAT_MAX_FAILURE,
     ENV_LAYERWISE_DEBUG,
-    ENV_METADATA_TIMEOUT,
     ENV_QUEUE_SIZE,
     ENV_TEST_FAILURE_PROB,
     ENV_THREAD_POOL_SIZE,
     ENV_WAITING_TIMEOUT,
-    DecodeConfig,
     PDEnv,
-    PrefillConfig,
-    default_thread_pool_size,
     parse_bool,
     parse_pd_env,
 )
+from tspd.core.decode import DecodeConfig
 from tspd.core.errors import ConfigError
+from tspd.core.machines import RoomState
+from tspd.core.prefill import ExtendRow, PrefillConfig
+from tspd.core.schedule import ProducerSchedule
+from tspd.core.topology import ParallelTopology
+from tspd.testing.core_pair import CorePair
+from tspd.testing.layouts import multi_layer_contract, simple_contract
+
+CONTRACT = simple_contract(num_pages=16, page_bytes=64)
+PROMPT = 40
+ADDR = "127.0.0.1:8998"
+DEAD = "Failed to get kvcache from prefill instance, it might be dead"
+
+
+@pytest.fixture
+def pairs() -> Iterator[list[CorePair]]:
+    made: list[CorePair] = []
+    yield made
+    for pair in made:
+        pair.close()
+
+
+def _pair(pairs: list[CorePair], environ: dict[str, str], **kw: object) -> CorePair:
+    pair = CorePair([CONTRACT], [CONTRACT], environ=environ, **kw)  # type: ignore[arg-type]
+    pairs.append(pair)
+    return pair
+
+
+# --- parsing
 
 
 def test_defaults_when_nothing_is_set() -> None:
-    env = parse_pd_env({}, cpu_count=2)
-    assert env == PDEnv(
+    assert parse_pd_env({}) == PDEnv(
         bootstrap_timeout=120,
         waiting_timeout=300,
         failed_session_ttl=30,
         heartbeat_interval=5.0,
         heartbeat_max_failures=2,
         queue_size=4,
-        thread_pool_size=4,
-        metadata_log_interval=5.0,
+        thread_pool_size=None,
         layerwise_debug=False,
         test_failure_prob=0.0,
-        host_ip="",
     )
-    assert env.warnings == ()
 
 
 def test_values_are_read() -> None:
@@ -55,72 +80,50 @@ def test_values_are_read() -> None:
             ENV_HEARTBEAT_MAX_FAILURE: "5",
             ENV_QUEUE_SIZE: "2",
             ENV_THREAD_POOL_SIZE: "3",
-            ENV_METADATA_TIMEOUT: "0.5",
             ENV_LAYERWISE_DEBUG: "Yes",
             ENV_TEST_FAILURE_PROB: "0.25",
-            "HOST_IP": "10.1.1.1",
         }
     )
     assert (env.bootstrap_timeout, env.waiting_timeout, env.failed_session_ttl) == (7, 9, 0)
     assert (env.heartbeat_interval, env.heartbeat_max_failures) == (2.5, 5)
     assert (env.queue_size, env.thread_pool_size) == (2, 3)
-    assert env.metadata_log_interval == 0.5
     assert env.layerwise_debug is True
     assert env.test_failure_prob == 0.25
-    assert env.host_ip == "10.1.1.1"
-    assert env.warnings == ()
-
-
-def test_tokenspeed_host_ip_wins_over_host_ip() -> None:
-    env = parse_pd_env({"TOKENSPEED_HOST_IP": "10.0.0.1", "HOST_IP": "10.0.0.2"})
-    assert env.host_ip == "10.0.0.1"
-    assert parse_pd_env({"TOKENSPEED_HOST_IP": "", "HOST_IP": "10.0.0.2"}).host_ip == "10.0.0.2"
 
 
 @pytest.mark.parametrize(
-    ("name", "raw", "attr", "default"),
+    ("name", "raw"),
     [
-        (ENV_BOOTSTRAP_TIMEOUT, "12.5", "bootstrap_timeout", 120),
-        (ENV_WAITING_TIMEOUT, "soon", "waiting_timeout", 300),
-        (ENV_FAILED_SESSION_TTL, "x", "failed_session_ttl", 30),
-        (ENV_HEARTBEAT_INTERVAL, "nan", "heartbeat_interval", 5.0),
-        (ENV_HEARTBEAT_MAX_FAILURE, "two", "heartbeat_max_failures", 2),
-        (ENV_METADATA_TIMEOUT, "inf", "metadata_log_interval", 5.0),
-        (ENV_LAYERWISE_DEBUG, "maybe", "layerwise_debug", False),
-        (ENV_TEST_FAILURE_PROB, "1/2", "test_failure_prob", 0.0),
-        (ENV_QUEUE_SIZE, "many", "queue_size", 4),
+        (ENV_BOOTSTRAP_TIMEOUT, "12.5"),
+        (ENV_BOOTSTRAP_TIMEOUT, "0"),
+        (ENV_WAITING_TIMEOUT, "soon"),
+        (ENV_WAITING_TIMEOUT, "-3"),
+        (ENV_FAILED_SESSION_TTL, "x"),
+        (ENV_HEARTBEAT_INTERVAL, "nan"),
+        (ENV_HEARTBEAT_INTERVAL, "0.5"),
+        (ENV_HEARTBEAT_MAX_FAILURE, "two"),
+        (ENV_HEARTBEAT_MAX_FAILURE, "0"),
+        (ENV_LAYERWISE_DEBUG, "maybe"),
+        (ENV_TEST_FAILURE_PROB, "1/2"),
+        (ENV_TEST_FAILURE_PROB, "1.5"),
+        (ENV_QUEUE_SIZE, "many"),
+        (ENV_QUEUE_SIZE, "0"),
+        (ENV_THREAD_POOL_SIZE, "0"),
     ],
 )
-def test_unparsable_values_warn_and_take_the_default(
-    name: str, raw: str, attr: str, default: object
-) -> None:
-    env = parse_pd_env({name: raw}, cpu_count=2)
-    assert getattr(env, attr) == default
-    assert len(env.warnings) == 1
-    assert name in env.warnings[0]
-    assert repr(raw) in env.warnings[0]
+def test_an_invalid_value_is_an_error_naming_the_variable(name: str, raw: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_pd_env({name: raw})
+    assert str(err.value).startswith(f"{name}={raw!r} is not ")
+    assert "unset it to use the default" in str(err.value)
 
 
-def test_empty_values_count_as_unset() -> None:
-    env = parse_pd_env({ENV_BOOTSTRAP_TIMEOUT: "", ENV_LAYERWISE_DEBUG: "  "})
-    assert env.bootstrap_timeout == 120
-    assert env.warnings == ()
-
-
-def test_floors_and_clamps() -> None:
+def test_empty_values_count_as_unset_and_negative_ttl_disables() -> None:
     env = parse_pd_env(
-        {
-            ENV_HEARTBEAT_INTERVAL: "0.5",
-            ENV_HEARTBEAT_MAX_FAILURE: "0",
-            ENV_METADATA_TIMEOUT: "0.001",
-            ENV_FAILED_SESSION_TTL: "-5",
-        }
+        {ENV_BOOTSTRAP_TIMEOUT: "", ENV_LAYERWISE_DEBUG: "  ", ENV_FAILED_SESSION_TTL: "-5"}
     )
-    assert env.heartbeat_interval == 2.0
-    assert env.heartbeat_max_failures == 1
-    assert env.metadata_log_interval == 0.01
+    assert env.bootstrap_timeout == 120
     assert env.failed_session_ttl == 0
-    assert len(env.warnings) == 4
 
 
 @pytest.mark.parametrize("word", ["true", "1", "yes", "y", "TRUE", "Y"])
@@ -138,14 +141,6 @@ def test_bad_boolean() -> None:
         parse_bool("on")
 
 
-@pytest.mark.parametrize(
-    ("cpus", "size"), [(1, 4), (8, 4), (48, 4), (64, 6), (128, 12), (1024, 12)]
-)
-def test_default_thread_pool_size(cpus: int, size: int) -> None:
-    assert default_thread_pool_size(cpus) == size
-    assert parse_pd_env({}, cpu_count=cpus).thread_pool_size == size
-
-
 def test_thread_pool_smaller_than_queue_is_the_exact_config_error() -> None:
     with pytest.raises(ConfigError) as err:
         parse_pd_env({ENV_THREAD_POOL_SIZE: "2", ENV_QUEUE_SIZE: "3"})
@@ -153,113 +148,165 @@ def test_thread_pool_smaller_than_queue_is_the_exact_config_error() -> None:
         "TOKENSPEED_DISAGGREGATION_THREAD_POOL_SIZE=2 must be greater than or equal to "
         "TOKENSPEED_DISAGGREGATION_QUEUE_SIZE=3."
     )
-    assert isinstance(err.value, ValueError)
-    # The computed default is checked too.
-    with pytest.raises(ConfigError, match="THREAD_POOL_SIZE=4 must be"):
-        parse_pd_env({ENV_QUEUE_SIZE: "5"}, cpu_count=2)
+    # A Decode uses neither; -1 is TokenSpeed's "unset".
+    assert parse_pd_env({ENV_THREAD_POOL_SIZE: "2", ENV_QUEUE_SIZE: "3"}, prefill=False)
+    assert parse_pd_env({ENV_THREAD_POOL_SIZE: "-1"}).thread_pool_size is None
 
 
-def test_queue_size_below_one_is_refused() -> None:
-    with pytest.raises(ConfigError, match="at least 1"):
-        parse_pd_env({ENV_QUEUE_SIZE: "0"})
+@given(st.dictionaries(st.sampled_from([ENV_BOOTSTRAP_TIMEOUT, ENV_QUEUE_SIZE]), st.text()))
+def test_any_value_parses_or_is_a_config_error(environ: dict[str, str]) -> None:
+    message = ""
+    try:
+        parse_pd_env(environ)
+    except ConfigError as err:
+        message = str(err)
+    assert not message or any(name in message for name in environ)
 
 
-def test_prefill_config_from_env() -> None:
-    cfg = PrefillConfig.from_env(
-        {ENV_BOOTSTRAP_TIMEOUT: "30", ENV_QUEUE_SIZE: "bad"},
-        cpu_count=2,
-        host="127.0.0.1",
-        tp_size=2,
-        tp_rank=1,
-        layerwise_interval=0,
-    )
-    assert cfg.bootstrap_timeout == 30
-    assert cfg.queue_size == 4
-    assert cfg.status_rank == 1
-    assert not cfg.layerwise
-    assert cfg.failed_session_fast_fail
-    assert cfg.metadata_server == "P2PHANDSHAKE"
-    assert len(cfg.warnings) == 1
-    assert ENV_QUEUE_SIZE in cfg.warnings[0]
+# --- the configurations
 
 
 def test_explicit_fields_win_over_the_environment() -> None:
+    environ = {ENV_BOOTSTRAP_TIMEOUT: "30", ENV_QUEUE_SIZE: "3"}
+    cfg = PrefillConfig.from_env(environ, tp_size=1, tp_rank=0, contract=CONTRACT, arena_base=1)
+    assert (cfg.bootstrap_timeout, cfg.transfer_workers) == (30.0, 3)
     cfg = PrefillConfig.from_env(
-        {ENV_BOOTSTRAP_TIMEOUT: "30"},
-        host="h",
-        tp_size=1,
-        tp_rank=0,
-        bootstrap_timeout=5,
-        status_rank=3,
+        environ, tp_size=1, tp_rank=0, contract=CONTRACT, arena_base=1, bootstrap_timeout=5.0
     )
-    assert cfg.bootstrap_timeout == 5
-    assert cfg.status_rank == 3
+    assert cfg.bootstrap_timeout == 5.0
 
 
-def test_decode_config_from_env_ignores_prefill_only_checks() -> None:
-    cfg = DecodeConfig.from_env(
-        {
-            ENV_WAITING_TIMEOUT: "60",
-            ENV_HEARTBEAT_INTERVAL: "1",
-            ENV_THREAD_POOL_SIZE: "1",
-            ENV_QUEUE_SIZE: "8",
-        },
-        host="127.0.0.1",
-        tp_size=4,
-        tp_rank=3,
-    )
-    assert cfg.waiting_timeout == 60
-    assert cfg.heartbeat_interval == 2.0
-    assert cfg.heartbeat_max_failures == 2
-    assert any(ENV_HEARTBEAT_INTERVAL in w for w in cfg.warnings)
+def test_an_invalid_variable_fails_the_configuration() -> None:
+    with pytest.raises(ConfigError, match=ENV_WAITING_TIMEOUT):
+        DecodeConfig.from_env(
+            {ENV_WAITING_TIMEOUT: "ten"},
+            tp_size=1,
+            tp_rank=0,
+            contract=CONTRACT,
+            arena_base=1,
+            session_id="s",
+            endpoint="127.0.0.1",
+            port=1,
+        )
 
 
-@pytest.mark.parametrize(
-    ("fields", "needle"),
-    [
-        ({"tp_size": 0, "tp_rank": 0}, "tp_size"),
-        ({"tp_size": 1025, "tp_rank": 0}, "tp_size"),
-        ({"tp_size": 2, "tp_rank": 2}, "tp_rank"),
-        ({"host": ""}, "host"),
-        ({"transfer_backend": "nixl"}, "CachePD supports only the Mooncake backend"),
-        ({"dp_size": 2, "dp_rank": 2}, "dp_rank"),
-        ({"bootstrap_port": 0}, "bootstrap_port"),
-        ({"status_rank": -2}, "status_rank"),
-        ({"test_failure_prob": 1.5}, "DISAGGREGATION_TEST_FAILURE_PROB"),
-        ({"queue_size": 8, "thread_pool_size": 4}, "must be greater than or equal"),
-    ],
-)
-def test_prefill_config_validation(fields: dict[str, object], needle: str) -> None:
-    base: dict[str, object] = {"host": "127.0.0.1", "tp_size": 2, "tp_rank": 0}
-    base.update(fields)
-    with pytest.raises(ConfigError, match=needle):
-        PrefillConfig(**base)  # type: ignore[arg-type]
+def _topology(cp_size: int = 1, tp_size: int = 2, tp_rank: int = 1) -> ParallelTopology:
+    return ParallelTopology(tp_size, tp_rank, cp_size, 0, 1, 0, tp_size * cp_size, tp_rank)
 
 
-def test_decode_config_validation() -> None:
-    with pytest.raises(ConfigError, match="heartbeat"):
-        DecodeConfig(host="h", tp_size=1, tp_rank=0, heartbeat_max_failures=0)
-    with pytest.raises(ConfigError, match="Mooncake"):
-        DecodeConfig(host="h", tp_size=1, tp_rank=0, transfer_backend="nixl")
+def test_context_parallelism_is_refused_by_both_peers() -> None:
+    message = "CachePD does not support context parallelism: cp_size=2; cp_size must be 1"
+    with pytest.raises(ConfigError) as err:
+        PrefillConfig(2, 1, CONTRACT, 1, topology=_topology(cp_size=2))
+    assert str(err.value) == message
+    with pytest.raises(ConfigError) as err:
+        DecodeConfig(2, 1, CONTRACT, 1, "s", "127.0.0.1", 1, topology=_topology(cp_size=2))
+    assert str(err.value) == message
+    assert PrefillConfig(2, 1, CONTRACT, 1, topology=_topology()).topology is not None
 
 
-_NAMES = [
-    ENV_BOOTSTRAP_TIMEOUT,
-    ENV_WAITING_TIMEOUT,
-    ENV_FAILED_SESSION_TTL,
-    ENV_HEARTBEAT_INTERVAL,
-    ENV_HEARTBEAT_MAX_FAILURE,
-    ENV_METADATA_TIMEOUT,
-    ENV_LAYERWISE_DEBUG,
-    ENV_TEST_FAILURE_PROB,
-]
+def test_a_topology_that_disagrees_with_the_rank_is_refused() -> None:
+    with pytest.raises(ConfigError, match="tp_size=2 tp_rank=1, but the peer is configured"):
+        PrefillConfig(2, 0, CONTRACT, 1, topology=_topology())
 
 
-@given(st.dictionaries(st.sampled_from(_NAMES), st.text(max_size=8)))
-def test_any_values_parse_with_warnings_never_errors(environ: dict[str, str]) -> None:
-    env = parse_pd_env(environ, cpu_count=4)
-    assert env.heartbeat_interval >= 2.0
-    assert env.heartbeat_max_failures >= 1
-    assert env.metadata_log_interval >= 0.01
-    assert env.failed_session_ttl >= 0
-    assert len(env.warnings) <= len(environ) + 4
+# --- every variable changes behaviour
+
+
+def test_bootstrap_timeout_variable_fails_requests_sooner(pairs: list[CorePair]) -> None:
+    pair = _pair(pairs, {ENV_BOOTSTRAP_TIMEOUT: "7"})
+    pair.register_decode("a", 1)
+    pair.register_prefill("a", 1)
+    pair.now = 6.9
+    assert pair.poll_prefill() == []
+    pair.now = 7.0
+    assert pair.poll_prefill() == [
+        Failed("a", "Request 1 timed out after 7.0s in TransferPoll.Bootstrapping")
+    ]
+
+
+def test_waiting_timeout_variable_fails_waits_sooner(pairs: list[CorePair]) -> None:
+    pair = _pair(pairs, {ENV_WAITING_TIMEOUT: "9"})
+    pair.register_decode("a", 1)
+    assert pair.poll_decode() == [Bootstrapped("a")]
+    pair.preallocate(1, PROMPT)
+    pair.now = 9.0
+    assert pair.poll_decode() == [
+        Failed("a", "Request 1 timed out after 9.0s in TransferPoll.WaitingForInput")
+    ]
+
+
+def _fail_a_write(pair: CorePair) -> None:
+    pair.write_errors[CorePair.decode_session(0)] = "connection reset"
+    pair.full_journey("a", 1, PROMPT)
+    del pair.write_errors[CorePair.decode_session(0)]
+
+
+@pytest.mark.parametrize(("ttl", "alive_after_5s"), [("0", True), ("10", False)])
+def test_failed_session_ttl_variable(pairs: list[CorePair], ttl: str, alive_after_5s: bool) -> None:
+    pair = _pair(pairs, {ENV_FAILED_SESSION_TTL: ttl})
+    _fail_a_write(pair)
+    pair.advance(5.0)
+    assert pair.prefill[0].session_alive(CorePair.decode_session(0), pair.now) is alive_after_5s
+
+
+@pytest.mark.parametrize("failures", [1, 3])
+def test_heartbeat_max_failure_variable(pairs: list[CorePair], failures: int) -> None:
+    pair = _pair(pairs, {ENV_HEARTBEAT_MAX_FAILURE: str(failures)})
+    core = pair.decode[0]
+    pair.register_decode("a", 1)
+    pair.poll_decode()
+    for _ in range(failures - 1):
+        core.heartbeat(ADDR, False, pair.now)
+    assert core.room_state(1) is RoomState.BOOTSTRAPPED
+    core.heartbeat(ADDR, False, pair.now)
+    assert core.room_state(1) is RoomState.FAILED
+
+
+def test_failure_probability_variable_fails_every_request_on_both_sides(
+    pairs: list[CorePair],
+) -> None:
+    pair = _pair(pairs, {ENV_TEST_FAILURE_PROB: "1"})
+    pair.register_decode("a", 1)
+    pair.register_prefill("a", 1)
+    (prefill_failed,) = pair.poll_prefill()
+    assert isinstance(prefill_failed, Failed)
+    assert "fault injection (DISAGGREGATION_TEST_FAILURE_PROB=1.0)" in prefill_failed.reason
+    (decode_failed,) = pair.poll_decode()
+    assert isinstance(decode_failed, Failed)
+    assert "fault injection" in decode_failed.reason
+    assert {f.reason_class for _, _, f in pair.failures} == {"injected"}
+    assert pair.room_tables_empty()
+
+
+def test_failure_probability_zero_injects_nothing(pairs: list[CorePair]) -> None:
+    pair = _pair(pairs, {ENV_TEST_FAILURE_PROB: "0"})
+    prefill_events, decode_events = pair.full_journey("a", 1, PROMPT)
+    assert not any(isinstance(e, Failed) for e in [*prefill_events, *decode_events])
+
+
+@pytest.mark.parametrize("debug", ["true", "false"])
+def test_layerwise_debug_variable_logs_every_armed_chunk(pairs: list[CorePair], debug: str) -> None:
+    contracts = [multi_layer_contract(layers=3, num_pages=8, heads=2, head_dim=4)]
+    schedule = ProducerSchedule.from_contract(contracts[0], 3)
+    pair = CorePair(contracts, contracts, layerwise=schedule, environ={ENV_LAYERWISE_DEBUG: debug})
+    pairs.append(pair)
+    pair.register_decode("r", 5)
+    pair.register_prefill("r", 5)
+    pair.poll_decode()
+    pair.preallocate(5, 12)
+    pair.poll_prefill()
+    pair.prefill_tables(5, 12)
+    pair.prefill[0].arm_layerwise([ExtendRow("r", 0, 12, pair.tables_of(5, 0))], pair.now)
+    pair.pump()
+    assert any(isinstance(c, StartTransfer) for _, c in pair.transfers)
+    lines = [
+        log.message
+        for side, _, log in pair.logs
+        if side == "prefill"
+        and isinstance(log, Log)
+        and "[cache_layerwise_transfer]" in log.message
+    ]
+    assert len(lines) == (1 if debug == "true" else 0)
+    if lines:
+        assert lines[0].startswith("[cache_layerwise_transfer] room=5 wait_cache_steps=[")

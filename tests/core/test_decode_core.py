@@ -23,6 +23,7 @@ from tspd.core.decode import DecodeConfig, DecodeCore
 from tspd.core.errors import ConfigError, ProtocolError
 from tspd.core.machines import RoomState
 from tspd.core.poll import TransferPoll
+from tspd.core.trace import Mark, ReasonClass
 from tspd.testing.core_pair import CorePair
 from tspd.testing.layouts import multi_layer_contract, room_manifest, simple_contract
 
@@ -180,9 +181,112 @@ def test_malformed_unknown_and_unexpected_statuses(pair: CorePair) -> None:
     pair.pump()
     logs = _logs(pair)
     assert any(m.startswith("Rejecting malformed Prefill status message") for m in logs)
-    assert "Req(room=1) in Transferring, which is unexpected" in logs
+    # Transferring before this rank pre-allocated cannot skip its own steps.
+    assert any("reported Transferring for room 1 before this rank pre-allocated" in m for m in logs)
     assert core.room_state(1) is RoomState.BOOTSTRAPPED
     assert core.room_state(999) is RoomState.ABSENT
+
+
+def _two_prefill_ranks() -> CorePair:
+    """Prefill TP2 -> Decode TP1: room 4 expects Success from Prefill ranks 0 and 1."""
+    p = [
+        multi_layer_contract(layers=1, num_pages=8, heads=2, head_dim=4, tp_size=2)
+        for _ in range(2)
+    ]
+    d = [multi_layer_contract(layers=1, num_pages=8, heads=4, head_dim=4, tp_size=1)]
+    pair = CorePair(p, d)
+    pair.dropped_ports.update({7000, 7001})  # the Prefill cores stay silent
+    pair.register_decode("a", 4)
+    assert pair.poll_decode() == [Bootstrapped("a")]
+    pair.preallocate(4, 10)
+    return pair
+
+
+def test_transferring_from_an_expected_rank_is_a_monotonic_update() -> None:
+    """Spec §7.5: a status other than Success/Failed moves the room monotonically. It
+    shows in the poll value and the trace, never completes the room, and a later
+    lower status does not move it back."""
+    pair = _two_prefill_ranks()
+    try:
+        core = pair.decode[0]
+        core.receive_status(_status(4, TransferPoll.TRANSFERRING, 1), pair.now + 0.5)
+        assert core.room_state(4) is RoomState.TRANSFERRING
+        assert core.poll_values(pair.now) == [int(TransferPoll.TRANSFERRING)]
+        assert core.rooms_by_state() == {"Transferring": 1}
+        trace = core.trace(4)
+        assert trace is not None
+        assert trace.at(Mark.TRANSFER_STARTED) == pair.now + 0.5
+        pair.pump()
+        assert any("Req(room=4) in Transferring" in m for m in _logs(pair))
+        # Lower statuses from the same or the other expected rank: no step back.
+        for status in (TransferPoll.WAITING_FOR_INPUT, TransferPoll.BOOTSTRAPPED):
+            core.receive_status(_status(4, status, 0), pair.now)
+            assert core.room_state(4) is RoomState.TRANSFERRING
+        # Not complete: nothing for the scheduler until every expected rank's Success.
+        assert pair.poll_decode() == []
+        core.receive_status(_status(4, TransferPoll.SUCCESS, 0, bootstrap_token=9), pair.now)
+        core.receive_status(_status(4, TransferPoll.TRANSFERRING, 0), pair.now)
+        assert core.room_state(4) is RoomState.TRANSFERRING
+        core.receive_status(_status(4, TransferPoll.SUCCESS, 1), pair.now)
+        assert core.room_state(4) is RoomState.SUCCESS
+        core.receive_status(_status(4, TransferPoll.TRANSFERRING, 1), pair.now)
+        assert core.room_state(4) is RoomState.SUCCESS
+        assert pair.poll_decode() == [RemotePrefillDone("a", 9, (), 0, None)]
+        assert pair.room_tables_empty()
+    finally:
+        pair.close()
+
+
+def test_progress_from_a_rank_outside_the_route_changes_nothing() -> None:
+    pair = _two_prefill_ranks()
+    try:
+        core = pair.decode[0]
+        core.receive_status(_status(4, TransferPoll.TRANSFERRING, 5), pair.now)
+        assert core.room_state(4) is RoomState.WAITING_FOR_INPUT
+        assert core.poll_values(pair.now) == [int(TransferPoll.WAITING_FOR_INPUT)]
+        pair.pump()
+        assert any("not a rank of the room's transfer route" in m for m in _logs(pair))
+    finally:
+        pair.close()
+
+
+def test_failed_stays_sticky_over_transferring() -> None:
+    pair = _two_prefill_ranks()
+    try:
+        core = pair.decode[0]
+        core.receive_status(_status(4, TransferPoll.TRANSFERRING, 0), pair.now)
+        core.receive_status(_status(4, TransferPoll.FAILED, 1), pair.now)
+        core.receive_status(_status(4, TransferPoll.TRANSFERRING, 0), pair.now)
+        assert core.room_state(4) is RoomState.FAILED
+        assert pair.poll_decode() == [Failed("a", DEAD)]
+    finally:
+        pair.close()
+
+
+def test_a_transferring_room_still_times_out_and_fails_when_its_prefill_is_lost() -> None:
+    pair = _two_prefill_ranks()
+    try:
+        core = pair.decode[0]
+        core.receive_status(_status(4, TransferPoll.TRANSFERRING, 0), pair.now)
+        pair.advance(300.0)
+        reason = "Request 4 timed out after 300.0s in TransferPoll.Transferring"
+        assert pair.poll_decode() == [Failed("a", reason)]
+        assert [f.reason_class for s, _, f in pair.failures if s == "decode"] == [
+            ReasonClass.TIMEOUT_WAITING
+        ]
+    finally:
+        pair.close()
+    pair = _two_prefill_ranks()
+    try:
+        core = pair.decode[0]
+        core.receive_status(_status(4, TransferPoll.TRANSFERRING, 1), pair.now)
+        core.heartbeat(ADDR, False, pair.now)
+        core.heartbeat(ADDR, False, pair.now)
+        lost = f"Losing connection with prefill instance (bootstrap_addr: {ADDR})"
+        assert core.room_state(4) is RoomState.FAILED
+        assert pair.poll_decode() == [Failed("a", lost)]
+    finally:
+        pair.close()
 
 
 def test_completion_needs_every_expected_rank_and_keeps_first_metadata() -> None:

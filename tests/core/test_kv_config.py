@@ -102,7 +102,7 @@ def test_invalid_configs_raise_config_error(text: str, message: str) -> None:
         ("tcp://[::1]:5557", 1, "tcp://[::1]:5558"),
         ("", 4, ""),
         ("ipc:///tmp/kv", 0, "ipc:///tmp/kv"),
-        ("tcp://host", 1, "tcp://host"),
+        ("tcp://host", 0, "tcp://host"),
     ],
 )
 def test_dp_rank_moves_the_tcp_port(endpoint: str, rank: int, expected: str) -> None:
@@ -117,6 +117,9 @@ def test_dp_rank_moves_the_tcp_port(endpoint: str, rank: int, expected: str) -> 
         ("tcp://*:port", 1, "is not a number"),
         ("tcp://*:65535", 1, "leaves the TCP port range"),
         ("tcp://*:5557", -1, "must be non-negative"),
+        # No port to move: TokenSpeed's int() of "//host" fails, the Rust seed's parse too.
+        ("tcp://host", 1, r"endpoint tcp://host has no port, so it cannot be moved for DP rank 1"),
+        ("tcp://[::1]", 2, r"endpoint tcp://\[::1\] has no port"),
     ],
 )
 def test_bad_offsets_raise_config_error(endpoint: str, rank: int, message: str) -> None:

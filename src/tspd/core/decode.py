@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final, Self
 
 from tspd.core import wire
 from tspd.core.bootstrap import ParallelInfo, RankInfo
@@ -49,7 +49,8 @@ from tspd.core.commands import (
     RoomFailed,
     SendFrames,
 )
-from tspd.core.contract import CacheContract, parse_contract
+from tspd.core.config import check_rank_config, parse_pd_env
+from tspd.core.contract import CacheContract, check_local_contract, parse_contract
 from tspd.core.errors import ConfigError, ProtocolError, TspdError
 from tspd.core.machines import (
     DECODE_ROOM_TABLE,
@@ -61,11 +62,12 @@ from tspd.core.machines import (
 )
 from tspd.core.manifest import BlockManifest, build_manifest, validate_manifest
 from tspd.core.planner import RoutePlanner
-from tspd.core.poll import TransferPoll
+from tspd.core.poll import FaultInjection, TransferPoll
 from tspd.core.rooms import RoomClocks, RoomTable
+from tspd.core.topology import ParallelTopology
 from tspd.core.trace import Mark, ReasonClass, RoomTrace, RoomTracer, Side, TraceConfig
 
-__all__ = ["DecodeConfig", "DecodeCore"]
+__all__ = ["DEAD_ROUTE_TIMEOUTS", "DecodeConfig", "DecodeCore"]
 
 _EARLY_COMPLETION = "Received KV completion before its transfer route was registered"
 _UNEXPECTED_RANK = "Received KV completion from an unexpected Prefill TP rank"
@@ -76,17 +78,25 @@ _PREFILL_FAILED = "Failed to get kvcache from prefill instance, it might be dead
 _FAILED: Final = int(TransferPoll.FAILED)
 _BOOTSTRAPPED: Final = int(TransferPoll.BOOTSTRAPPED)
 _WAITING_FOR_INPUT: Final = int(TransferPoll.WAITING_FOR_INPUT)
+_TRANSFERRING: Final = int(TransferPoll.TRANSFERRING)
 _SUCCESS: Final = int(TransferPoll.SUCCESS)
 #: Values that conclude a request on this rank.
 _CONCLUDING: Final = frozenset({_SUCCESS, _FAILED})
 #: Agreed values that announce ``Bootstrapped`` (once).
-_ANNOUNCING: Final = frozenset({_BOOTSTRAPPED, _WAITING_FOR_INPUT, _SUCCESS})
+_ANNOUNCING: Final = frozenset({_BOOTSTRAPPED, _WAITING_FOR_INPUT, _TRANSFERRING, _SUCCESS})
+#: Rooms still waiting for their KV: the waiting timeout applies to them.
+_WAITING_STATES: Final = frozenset({RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING})
 #: Agreed values that are not ``Failed``: anything else (unknown values too) is.
 _LIVE: Final = frozenset(int(p) for p in TransferPoll if p is not TransferPoll.FAILED)
+#: This many waiting timeouts in a row at one Prefill address, with no Success
+#: between them, mean its cached route is probably dead (the Prefill restarted while
+#: its bootstrap server lived on): the route is dropped and fetched again.
+DEAD_ROUTE_TIMEOUTS: Final = 3
 _WAITING_WARNING = (
     "Some requests timed out waiting for their KV cache: the prefill instance never "
-    "reported them. Raise TOKENSPEED_DISAGGREGATION_WAITING_TIMEOUT if a longer TTFT "
-    "is acceptable."
+    "reported them. Raise TOKENSPEED_DISAGGREGATION_WAITING_TIMEOUT (read by "
+    "DecodeConfig.from_env) or DecodeConfig.waiting_timeout if a longer TTFT is "
+    "acceptable."
 )
 
 
@@ -97,7 +107,17 @@ class DecodeConfig:
     ``endpoint``/``port``: where this rank's status PULL socket listens (sent in
     registrations). ``session_id``: this rank's transfer-engine session
     (``"ip:rpc_port"``). ``arena_base``: its registered arena (Prefill writes there).
+    ``contract``: this rank's own cache contract, which
+    :func:`~tspd.core.contract.check_local_contract` must accept (a
+    :class:`~tspd.core.errors.ContractError` otherwise).
     ``trace``: how many finished room traces are kept (:mod:`tspd.core.trace`).
+    ``topology``: the engine's parallel topology, when it has one; its TP size and
+    rank must match, and a topology tspd cannot plan for (context parallelism) is
+    refused here. ``test_failure_prob``/``test_failure_seed``: poll-time fault
+    injection (:class:`~tspd.core.poll.FaultInjection`), for tests only.
+
+    :meth:`from_env` builds one with defaults from TokenSpeed's environment
+    variables (:mod:`tspd.core.config`).
     """
 
     tp_size: int
@@ -110,10 +130,13 @@ class DecodeConfig:
     waiting_timeout: float = 300.0
     heartbeat_max_failures: int = 2
     trace: TraceConfig = field(default_factory=TraceConfig)
+    topology: ParallelTopology | None = None
+    test_failure_prob: float = 0.0
+    test_failure_seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        check_rank_config(self.tp_size, self.tp_rank, self.topology, self.test_failure_prob)
+        check_local_contract(self.contract)
         if self.waiting_timeout <= 0:
             raise ConfigError(f"the waiting timeout must be positive, got {self.waiting_timeout}")
         if self.heartbeat_max_failures < 1:
@@ -121,6 +144,21 @@ class DecodeConfig:
                 "TOKENSPEED_DISAGGREGATION_HEARTBEAT_MAX_FAILURE must be at least 1, got "
                 f"{self.heartbeat_max_failures}"
             )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **fields: Any) -> Self:
+        """A configuration whose defaults come from TokenSpeed's variables in
+        ``environ`` (pass ``os.environ``); explicit ``fields`` win. Reads the
+        waiting timeout, heartbeat failures and fault-injection probability.
+        Raises :class:`ConfigError` naming a variable whose value is invalid."""
+        env = parse_pd_env(environ, prefill=False)
+        values: dict[str, Any] = {
+            "waiting_timeout": float(env.waiting_timeout),
+            "heartbeat_max_failures": env.heartbeat_max_failures,
+            "test_failure_prob": env.test_failure_prob,
+        }
+        values.update(fields)
+        return cls(**values)
 
 
 @dataclass(slots=True)
@@ -163,6 +201,8 @@ class _Address:
     planner: RoutePlanner | str
     health: AddressHealth = AddressHealth.HEALTHY
     failures: int = 0
+    #: Waiting timeouts in a row at this address, with no Success between them.
+    timeouts: int = 0
 
 
 class DecodeCore:
@@ -182,6 +222,8 @@ class DecodeCore:
         self._awaiting_rank: dict[tuple[str, int, int], set[int]] = {}
         #: Prefill ranks this rank registered with (the "connection pool").
         self._registered: set[tuple[str, int, int]] = set()
+        #: Cached rank infos being fetched again to check they still hold.
+        self._refreshing: set[tuple[str, int, int]] = set()
         #: Rooms per bootstrap address (the heartbeat's room tracker).
         self._tracker: dict[str, set[int]] = {}
         self._routes: dict[int, _Route] = {}
@@ -195,6 +237,11 @@ class DecodeCore:
         self._commands: list[Command] = []
         self._waiting_warned = False
         self._trace = RoomTracer(Side.DECODE, config.tp_rank, config.trace)
+        self._faults = (
+            FaultInjection(config.test_failure_prob, config.test_failure_seed)
+            if config.test_failure_prob > 0
+            else None
+        )
         try:
             registration = wire.encode_registration(
                 wire.Registration(
@@ -442,6 +489,9 @@ class DecodeCore:
         """The answer to :class:`FetchRankInfo`: the rank's control endpoint, or an
         error text. An error fails every room waiting for it (spec §7.5)."""
         key = (bootstrap_addr, dp_group, engine_rank)
+        if key in self._refreshing:
+            self._refreshed(key, info, now)
+            return
         waiting = sorted(self._awaiting_rank.pop(key, set()))
         if isinstance(info, str):
             self._log(
@@ -464,6 +514,42 @@ class DecodeCore:
                 continue
             if all((bootstrap_addr, route.dp_group, t) in self._rank_infos for t in route.targets):
                 self._routed(room, bootstrap_addr, now)
+
+    def _refreshed(self, key: tuple[str, int, int], info: RankInfo | str, now: float) -> None:
+        """A cached rank info fetched again (:meth:`heartbeat`). A Prefill rank whose
+        control endpoint moved restarted: rooms that pre-allocated with the old
+        process fail (it took their pre-allocations with it), and this rank registers
+        with the new one before any further pre-allocation goes there."""
+        self._refreshing.discard(key)
+        old = self._rank_infos.get(key)
+        if isinstance(info, str) or old is None:
+            return  # Liveness is the heartbeat's call; keep what is cached.
+        if (old.rank_ip, old.rank_port) == (info.rank_ip, info.rank_port):
+            return
+        bootstrap_addr, dp_group, engine_rank = key
+        self._rank_infos[key] = info
+        reason = (
+            f"Prefill rank {engine_rank} (DP group {dp_group}) of {bootstrap_addr} restarted: "
+            f"its control endpoint moved from {old.rank_ip}:{old.rank_port} to "
+            f"{info.rank_ip}:{info.rank_port}"
+        )
+        affected = 0
+        for room in sorted(self._tracker.get(bootstrap_addr, ())):
+            route = self._routes.get(room)
+            if (
+                route is None
+                or route.dp_group != dp_group
+                or engine_rank not in route.targets
+                or self._rooms.state(room) not in _WAITING_STATES
+            ):
+                continue
+            affected += 1
+            self._fail(
+                room, reason, now, DecodeTrigger.PREFILL_LOST, reason_class=ReasonClass.PEER_DEAD
+            )
+        self._log(LogLevel.WARNING, f"{reason}; registering again, {affected} requests failed")
+        self._registered.add(key)
+        self._commands.append(SendFrames(info.rank_ip, info.rank_port, self._registration_frames))
 
     def _routed(self, room: int, bootstrap_addr: str, now: float) -> None:
         route = self._routes[room]
@@ -532,7 +618,9 @@ class DecodeCore:
 
     def receive_status(self, frames: Sequence[bytes], now: float) -> None:
         """Handle one status message from a Prefill rank (spec §4.5, §7.5). Malformed
-        messages are logged and dropped; messages for unknown rooms are ignored."""
+        messages are logged and dropped; messages for unknown rooms are ignored.
+        ``Success`` and ``Failed`` complete or fail the room; any other status from an
+        expected rank is a monotonic update (:meth:`_progress_from`)."""
         try:
             message = wire.decode_status(list(frames))
         except TspdError as err:
@@ -547,15 +635,50 @@ class DecodeCore:
             self._fail(room, _PREFILL_FAILED, now)
         elif status is TransferPoll.SUCCESS:
             self._completed_by(room, message, now)
-        elif status is TransferPoll.TRANSFERRING:
-            self._log(
-                LogLevel.WARNING, f"Req(room={room}) in Transferring, which is unexpected", room
-            )
         else:
+            self._progress_from(room, message, now)
+
+    def _progress_from(self, room: int, message: wire.StatusMessage, now: float) -> None:
+        """A status before ``Success`` (``Bootstrapping`` … ``Transferring``): the room's
+        status takes ``max(current, reported)`` (spec §7.5, §7.2), ``Failed`` staying
+        sticky. Only an expected rank moves it, and never past this rank's own steps
+        (route, pre-allocation): so only ``Transferring`` after the pre-allocation
+        changes anything. It never completes the room; every expected rank's
+        ``Success`` still does, and the waiting timeout still runs."""
+        status, rank = message.status, message.prefill_rank
+        route = self._routes.get(room)
+        if route is None or rank not in route.expected:
             self._log(
                 LogLevel.DEBUG,
-                f"ignoring status {status.label} for room {room} from Prefill rank "
-                f"{message.prefill_rank}",
+                f"ignoring status {status.label} for room {room} from Prefill rank {rank}: "
+                "not a rank of the room's transfer route",
+                room,
+            )
+            return
+        before = self._rooms.state(room)
+        if status is not TransferPoll.TRANSFERRING:
+            self._log(
+                LogLevel.DEBUG,
+                f"status {status.label} for room {room} from Prefill rank {rank} is not "
+                f"ahead of its state {before.value}: nothing changes",
+                room,
+            )
+            return
+        after = self._rooms.fire(room, DecodeTrigger.TRANSFERRING)
+        if after is RoomState.TRANSFERRING and before is not RoomState.TRANSFERRING:
+            self._trace.mark(room, Mark.TRANSFER_STARTED, now)
+            self._log(
+                LogLevel.DEBUG,
+                f"Req(room={room}) in Transferring, which is unexpected: Prefill rank {rank} "
+                "reported it; the room now reports Transferring and still completes on "
+                "every expected rank's Success",
+                room,
+            )
+        elif after is before and before in (RoomState.BOOTSTRAPPING, RoomState.BOOTSTRAPPED):
+            self._log(
+                LogLevel.DEBUG,
+                f"Prefill rank {rank} reported Transferring for room {room} before this "
+                f"rank pre-allocated it (room is {before.value}): ignored",
                 room,
             )
 
@@ -584,6 +707,10 @@ class DecodeCore:
         else:
             self._rooms.fire(room, DecodeTrigger.COMPLETED)
             self._trace.mark(room, Mark.COMPLETED, now)
+            rid = self._rid_of_room.get(room)
+            address = self._addresses.get(self._receivers[rid].addr) if rid else None
+            if address is not None:
+                address.timeouts = 0
 
     # ------------------------------------------------------------------ heartbeat
 
@@ -603,6 +730,7 @@ class DecodeCore:
             address.failures = 0
             tracked = self._tracker.get(bootstrap_addr, set())
             tracked.intersection_update(r for r in list(tracked) if r in self._rid_of_room)
+            self._refresh_routes(bootstrap_addr)
             return
         address.failures += 1
         if address.failures < self.config.heartbeat_max_failures:
@@ -613,11 +741,26 @@ class DecodeCore:
         PREFILL_ADDRESS_HEALTH_TABLE.fire(address.health, HealthTrigger.GIVE_UP)
         self._drop_address(bootstrap_addr, now)
 
-    def _drop_address(self, bootstrap_addr: str, now: float) -> None:
-        del self._addresses[bootstrap_addr]
+    def _refresh_routes(self, bootstrap_addr: str) -> None:
+        """Fetch the address's cached rank infos again, so a Prefill rank that
+        restarted behind a bootstrap server that did not is noticed (the heartbeat
+        only asks the server)."""
+        for key in self._rank_infos:
+            if key[0] == bootstrap_addr and key not in self._refreshing:
+                self._refreshing.add(key)
+                self._commands.append(FetchRankInfo(bootstrap_addr, key[2], key[1]))
+
+    def _forget_routes(self, bootstrap_addr: str) -> None:
+        """Drop the address's cached info, rank infos and registrations: the next
+        request fetches them again and registers anew."""
+        self._addresses.pop(bootstrap_addr, None)
         for key in [k for k in self._rank_infos if k[0] == bootstrap_addr]:
             del self._rank_infos[key]
+            self._refreshing.discard(key)
         self._registered = {k for k in self._registered if k[0] != bootstrap_addr}
+
+    def _drop_address(self, bootstrap_addr: str, now: float) -> None:
+        self._forget_routes(bootstrap_addr)
         rooms = sorted(self._tracker.pop(bootstrap_addr, set()))
         reason = f"Losing connection with prefill instance (bootstrap_addr: {bootstrap_addr})"
         affected = 0
@@ -640,21 +783,31 @@ class DecodeCore:
         if (
             since is None
             or receiver.concluded is not None
-            or self._rooms.state(room) is not RoomState.WAITING_FOR_INPUT
+            or self._rooms.state(room) not in _WAITING_STATES
             or now - since < self.config.waiting_timeout
         ):
             return False
         if not self._waiting_warned:
             self._waiting_warned = True
             self._log(LogLevel.WARNING, _WAITING_WARNING)
-        reason = (
-            f"Request {room} timed out after {now - since:.1f}s in "
-            f"{TransferPoll.WAITING_FOR_INPUT.label}"
-        )
+        # TokenSpeed's wording; a room a Prefill rank reported Transferring names that.
+        status = self._rooms.state(room).poll or TransferPoll.WAITING_FOR_INPUT
+        reason = f"Request {room} timed out after {now - since:.1f}s in {status.label}"
         self._rooms.record_failure(room, reason)
         self._rooms.fire(room, DecodeTrigger.WAITING_TIMEOUT)
         receiver.timeout_stage = "waiting_for_input"
         receiver.concluded = _FAILED
+        address = self._addresses.get(receiver.addr)
+        if address is not None:
+            address.timeouts += 1
+            if address.timeouts >= DEAD_ROUTE_TIMEOUTS:
+                self._log(
+                    LogLevel.WARNING,
+                    f"{address.timeouts} requests in a row timed out waiting for Prefill "
+                    f"{receiver.addr}: dropping its cached route; the next request fetches "
+                    "it from the bootstrap server again and registers anew",
+                )
+                self._forget_routes(receiver.addr)
         return True
 
     def _check_expired_waits(self, now: float) -> None:
@@ -681,6 +834,11 @@ class DecodeCore:
                 value = value_of(receiver.room, failed)
                 if value in concluding:
                     receiver.concluded = value
+                elif self._faults is not None and self._faults.fires():
+                    room = receiver.room
+                    reason = self._faults.reason(room)
+                    self._fail(room, reason, now, reason_class=ReasonClass.INJECTED)
+                    receiver.concluded = value = failed
             append(value)
         return values
 

@@ -151,7 +151,9 @@ def offset_endpoint_port(endpoint: str, dp_rank: int) -> str:
     """The endpoint for attention-DP rank ``dp_rank``: its TCP port moved by the rank.
 
     ``tcp://*:5557`` for rank 2 is ``tcp://*:5559``. Rank 0 and the empty endpoint
-    are unchanged; a ``tcp`` endpoint without a port is unchanged (TokenSpeed's rule).
+    are unchanged. A ``tcp://`` endpoint without a port (``tcp://host``) cannot be
+    moved: for a rank above 0 it is a :class:`ConfigError`, as in TokenSpeed (whose
+    port parse fails) and the Rust seed.
     """
     if dp_rank < 0:
         raise ConfigError(f"KV event publisher: DP rank must be non-negative, got {dp_rank}")
@@ -163,8 +165,15 @@ def offset_endpoint_port(endpoint: str, dp_rank: int) -> str:
             "only tcp:// endpoints can be offset per rank; give each rank its own address"
         )
     base, sep, port = endpoint.rpartition(":")
-    if not sep or "/" in port:
+    if not sep:
         return endpoint
+    if "/" in port or port.endswith("]"):
+        # The last ':' is the scheme's (tcp://host) or inside an IPv6 host (tcp://[::1]).
+        raise ConfigError(
+            f"KV event publisher: endpoint {endpoint} has no port, so it cannot be moved "
+            f"for DP rank {dp_rank}: give it one (e.g. {endpoint}:5557); DP rank r then "
+            "uses that port + r"
+        )
     try:
         number = int(port)
     except ValueError:

@@ -56,12 +56,16 @@ __all__ = [
 class RoomState(enum.StrEnum):
     """A room's state on either side. ``ABSENT`` means "no entry": the room was never
     seen, or it ended and was forgotten. The others are the :class:`TransferPoll`
-    values that are ever set (``Transferring`` never is, spec §7.1)."""
+    values of the same name. Neither side ever sets ``Transferring`` itself (spec
+    §7.1); a Decode room takes it when an expected Prefill rank reports it (§7.5,
+    "any other status value → monotonic update"; TokenSpeed's Prefill never sends it,
+    other implementations may)."""
 
     ABSENT = "Absent"
     BOOTSTRAPPING = "Bootstrapping"
     BOOTSTRAPPED = "Bootstrapped"
     WAITING_FOR_INPUT = "WaitingForInput"
+    TRANSFERRING = "Transferring"
     SUCCESS = "Success"
     FAILED = "Failed"
 
@@ -77,6 +81,7 @@ _POLL_OF_STATE: Final[Mapping[RoomState, TransferPoll | None]] = MappingProxyTyp
         RoomState.BOOTSTRAPPING: TransferPoll.BOOTSTRAPPING,
         RoomState.BOOTSTRAPPED: TransferPoll.BOOTSTRAPPED,
         RoomState.WAITING_FOR_INPUT: TransferPoll.WAITING_FOR_INPUT,
+        RoomState.TRANSFERRING: TransferPoll.TRANSFERRING,
         RoomState.SUCCESS: TransferPoll.SUCCESS,
         RoomState.FAILED: TransferPoll.FAILED,
     }
@@ -112,6 +117,14 @@ class DecodeTrigger(enum.StrEnum):
     ROUTED = "routed"
     #: The manifest was validated and every pre-allocation went out.
     PREALLOCATED = "preallocated"
+    #: An expected Prefill rank reported ``Transferring`` (a status other than
+    #: ``Success``/``Failed``: monotonic update, spec §7.5). A room this rank has
+    #: pre-allocated moves to ``Transferring``; an earlier one keeps its state, since
+    #: planning the route and pre-allocating are this rank's own steps and a peer's
+    #: report cannot skip them; ``Success`` and ``Failed`` stay. The other statuses
+    #: before ``Success`` are never ahead of a pre-allocated room, so they change
+    #: nothing and need no trigger.
+    TRANSFERRING = "transferring"
     #: ``Success`` from an expected Prefill rank; the completion set is not full yet.
     RANK_DONE = "rank_done"
     #: ``Success`` completing the expected Prefill rank set.
@@ -243,13 +256,14 @@ _KNOWN: Final = (
     _S.BOOTSTRAPPING,
     _S.BOOTSTRAPPED,
     _S.WAITING_FOR_INPUT,
+    _S.TRANSFERRING,
     _S.SUCCESS,
     _S.FAILED,
 )
 _PREFILL_KNOWN: Final = (_S.BOOTSTRAPPING, _S.BOOTSTRAPPED, _S.SUCCESS, _S.FAILED)
 
-#: A Prefill rank's room (spec §7.3). ``WaitingForInput`` is never set on Prefill,
-#: so the declaration does not list it.
+#: A Prefill rank's room (spec §7.3). ``WaitingForInput`` and ``Transferring`` are
+#: never set on Prefill, so the declaration does not list them.
 PREFILL_ROOM: Final[MachineDeclaration] = _declare(
     "PrefillRoom",
     (_S.ABSENT, *_PREFILL_KNOWN),
@@ -292,12 +306,23 @@ DECODE_ROOM: Final[MachineDeclaration] = _declare(
         _D.REGISTER: {_S.ABSENT: _S.BOOTSTRAPPING, _S.FAILED: _S.FAILED},
         _D.ROUTED: {_S.BOOTSTRAPPING: _S.BOOTSTRAPPED, _S.FAILED: _S.FAILED},
         _D.PREALLOCATED: {_S.BOOTSTRAPPED: _S.WAITING_FOR_INPUT, _S.FAILED: _S.FAILED},
+        # A Prefill rank's progress report: monotonic, and never ahead of this rank's
+        # own pre-allocation (see DecodeTrigger.TRANSFERRING).
+        _D.TRANSFERRING: {
+            _S.BOOTSTRAPPING: _S.BOOTSTRAPPING,
+            _S.BOOTSTRAPPED: _S.BOOTSTRAPPED,
+            _S.WAITING_FOR_INPUT: _S.TRANSFERRING,
+            _S.TRANSFERRING: _S.TRANSFERRING,
+            _S.SUCCESS: _S.SUCCESS,
+            _S.FAILED: _S.FAILED,
+        },
         # A partial completion changes nothing but the completion set.
         _D.RANK_DONE: {s: s for s in _KNOWN},
         _D.COMPLETED: {
             _S.BOOTSTRAPPING: _S.SUCCESS,
             _S.BOOTSTRAPPED: _S.SUCCESS,
             _S.WAITING_FOR_INPUT: _S.SUCCESS,
+            _S.TRANSFERRING: _S.SUCCESS,
             _S.SUCCESS: _S.SUCCESS,
             _S.FAILED: _S.FAILED,
         },
@@ -307,11 +332,14 @@ DECODE_ROOM: Final[MachineDeclaration] = _declare(
             _S.BOOTSTRAPPING: _S.FAILED,
             _S.BOOTSTRAPPED: _S.FAILED,
             _S.WAITING_FOR_INPUT: _S.FAILED,
+            _S.TRANSFERRING: _S.FAILED,
             _S.SUCCESS: _S.SUCCESS,
             _S.FAILED: _S.FAILED,
         },
+        # A room still waiting for its KV (reported Transferring or not) times out.
         _D.WAITING_TIMEOUT: {
             _S.WAITING_FOR_INPUT: _S.WAITING_FOR_INPUT,
+            _S.TRANSFERRING: _S.TRANSFERRING,
             _S.FAILED: _S.FAILED,
         },
         _D.FORGET: {s: _S.ABSENT for s in (_S.ABSENT, *_KNOWN)},

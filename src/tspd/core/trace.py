@@ -87,7 +87,9 @@ class Mark(enum.StrEnum):
     #: Prefill: the destination fan-out is complete. Decode: the route is planned
     #: and every registration went out.
     BOOTSTRAPPED = "bootstrapped"
-    #: Prefill: the room's first chunk was handed to the transfer workers.
+    #: Prefill: the room's first chunk was handed to the transfer workers. Decode: an
+    #: expected Prefill rank reported ``Transferring`` after the pre-allocation (a
+    #: TokenSpeed Prefill never does; other implementations may).
     TRANSFER_STARTED = "transfer_started"
     #: Prefill: the final chunk's writes all succeeded.
     WRITTEN = "written"
@@ -141,6 +143,8 @@ class ReasonClass(enum.StrEnum):
     ABORTED = "aborted"
     #: Prefill: the room was never claimed by a request on this rank.
     UNCLAIMED = "unclaimed"
+    #: A test's fault injection (``DISAGGREGATION_TEST_FAILURE_PROB``) failed it.
+    INJECTED = "injected"
     #: Any reason not recognised above.
     OTHER = "other"
 
@@ -150,6 +154,7 @@ class ReasonClass(enum.StrEnum):
 _REASON_PATTERNS: Final[tuple[tuple[str, ReasonClass], ...]] = (
     ("in TransferPoll.Bootstrapping", ReasonClass.TIMEOUT_BOOTSTRAPPING),
     ("in TransferPoll.WaitingForInput", ReasonClass.TIMEOUT_WAITING),
+    ("in TransferPoll.Transferring", ReasonClass.TIMEOUT_WAITING),
     ("failed on another rank of the", ReasonClass.REPLICA),
     ("EPD: prefill aborted request", ReasonClass.ABORTED),
     ("is not alive", ReasonClass.PEER_DEAD),

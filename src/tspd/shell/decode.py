@@ -7,10 +7,10 @@ nursery owns:
 
 * the **status task** — the only owner of the PULL status socket (bound on the
   configured host before the core exists, so its port goes into every
-  registration); it drains status messages in batches into
-  ``core.receive_status``;
-* the **push pool** — one PUSH socket per Prefill rank for registrations and
-  pre-allocations (spec §3);
+  registration; frames and frame counts bounded by the largest status message); it
+  drains status messages in batches into ``core.receive_status``;
+* the **push pool** — a bounded pool of PUSH sockets, one per Prefill rank, for
+  registrations and pre-allocations (spec §3);
 * **bootstrap lookups** — one short task per ``FetchParallelInfo`` /
   ``FetchRankInfo`` command over HTTP (:class:`~tspd.shell.bootstrap.BootstrapClient`),
   answered with ``core.parallel_info`` / ``core.rank_info`` (an error becomes the
@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import final
+from typing import Any, final
 
 import trio
 import zmq
@@ -45,11 +45,13 @@ from tspd.core.commands import (
     RoomFailed,
     SendFrames,
 )
+from tspd.core.config import parse_pd_env
 from tspd.core.decode import DecodeConfig, DecodeCore
 from tspd.core.errors import TspdError
 from tspd.core.machines import RoomState
 from tspd.core.manifest import BlockManifest
 from tspd.core.trace import RoomTrace
+from tspd.core.wire import MAX_STATUS_FRAME_BYTES
 from tspd.engines.base import AsyncTransferEngine, TransferEngine, TransferError
 from tspd.log import component_logger
 from tspd.shell.agreement import ReplicaAgreement, SingleRank
@@ -58,9 +60,9 @@ from tspd.shell.bootstrap import BootstrapClient
 from tspd.shell.metrics import TspdMetrics
 from tspd.shell.nursery import single_error
 from tspd.shell.observe import PeerObserver
-from tspd.shell.pushes import PushPool
+from tspd.shell.pushes import DEFAULT_IDLE_TTL, DEFAULT_MAX_SOCKETS, PushPool
 from tspd.shell.timer import DeadlineTimer
-from tspd.shell.zmq import TrioSocket, bind_free_port, open_socket
+from tspd.shell.zmq import MAX_MESSAGE_FRAMES, TrioSocket, bind_free_port, open_socket
 
 __all__ = ["DecodePeer", "DecodeSettings", "open_decode_peer"]
 
@@ -78,11 +80,27 @@ class DecodeSettings:
     ``heartbeat_interval``: seconds between heartbeat rounds
     (``TOKENSPEED_DISAGGREGATION_HEARTBEAT_INTERVAL``, 5.0 by default).
     ``status_batch`` caps how many status messages one drain takes.
+    ``push_sockets``/``push_idle_ttl``: the push pool's bound and idle TTL
+    (:class:`~tspd.shell.pushes.PushPool`).
     """
 
     host: str = "127.0.0.1"
     heartbeat_interval: float = 5.0
     status_batch: int = 256
+    push_sockets: int = DEFAULT_MAX_SOCKETS
+    push_idle_ttl: float = DEFAULT_IDLE_TTL
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], **fields: Any) -> DecodeSettings:
+        """Settings whose heartbeat interval defaults to
+        ``TOKENSPEED_DISAGGREGATION_HEARTBEAT_INTERVAL`` in ``environ`` (pass
+        ``os.environ``); explicit ``fields`` win. Raises ``ConfigError`` naming the
+        variable for an invalid value."""
+        values: dict[str, Any] = {
+            "heartbeat_interval": parse_pd_env(environ, prefill=False).heartbeat_interval
+        }
+        values.update(fields)
+        return cls(**values)
 
 
 @final
@@ -292,7 +310,13 @@ class DecodePeer:
 
 
 def _bind_status(host: str, context: zmq.Context[zmq.Socket[bytes]]) -> tuple[TrioSocket, int]:
-    sock = open_socket(context, zmq.PULL)
+    sock = open_socket(
+        context,
+        zmq.PULL,
+        max_frame_bytes=MAX_STATUS_FRAME_BYTES,
+        max_frames=MAX_MESSAGE_FRAMES,
+        name="Decode status socket",
+    )
     try:
         port = bind_free_port(sock, host)
     except BaseException:
@@ -323,6 +347,12 @@ async def open_decode_peer(
     """
     settings = settings or DecodeSettings()
     ctx = context or zmq.Context.instance()
+    pushes = PushPool(
+        ctx,
+        name=f"Decode rank {config.tp_rank}",
+        max_sockets=settings.push_sockets,
+        idle_ttl=settings.push_idle_ttl,
+    )
     status, port = _bind_status(settings.host, ctx)
     try:
         core = DecodeCore(
@@ -338,7 +368,6 @@ async def open_decode_peer(
     except BaseException:
         status.close()
         raise
-    pushes = PushPool(ctx, name=f"Decode rank {config.tp_rank}")
     try:
         with single_error():
             async with BootstrapClient() as client, trio.open_nursery() as nursery:

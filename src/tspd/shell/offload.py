@@ -47,12 +47,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final, final
 
 import trio
 
+from tspd.core.config import parse_pd_env
 from tspd.core.schedule import step_ready
 from tspd.engines.base import (
     AddressList,
@@ -147,6 +148,27 @@ class EngineRunner:
         #: Writes that took each way (for tests and benchmarks).
         self.polled_writes = 0
         self.thread_writes = 0
+
+    @classmethod
+    def from_env(
+        cls,
+        engine: TransferEngine,
+        environ: Mapping[str, str],
+        *,
+        default_concurrency: int = DEFAULT_WRITE_CONCURRENCY,
+        poll_max_descriptors: int = DEFAULT_POLL_MAX_DESCRIPTORS,
+    ) -> EngineRunner:
+        """A runner whose write concurrency is ``TOKENSPEED_DISAGGREGATION_THREAD_POOL_SIZE``
+        from ``environ`` (pass ``os.environ``) when set, else ``default_concurrency``.
+        TokenSpeed's pool runs its blocking writes; here it bounds the writes in
+        flight at once, polled or threaded. Raises ``ConfigError`` naming the
+        variable for an invalid value."""
+        size = parse_pd_env(environ, prefill=False).thread_pool_size
+        return cls(
+            engine,
+            limiter=trio.CapacityLimiter(size or default_concurrency),
+            poll_max_descriptors=poll_max_descriptors,
+        )
 
     @property
     def session_id(self) -> str:

@@ -70,6 +70,10 @@ class _Room:
     prefill_tables: dict[int, dict[str, list[int]]] = field(default_factory=dict)
 
 
+def _given(**fields: float | None) -> dict[str, float]:
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 @final
 class CorePair:
     """One Prefill instance (``len(prefill_contracts)`` TP ranks) and one Decode
@@ -85,15 +89,26 @@ class CorePair:
         decode_contracts: Sequence[CacheContract],
         *,
         bootstrap_addr: str = f"{HOST}:8998",
-        bootstrap_timeout: float = 120.0,
-        waiting_timeout: float = 300.0,
-        failed_session_ttl: float = 30.0,
+        bootstrap_timeout: float | None = None,
+        waiting_timeout: float | None = None,
+        failed_session_ttl: float | None = None,
         transfer_workers: int = 2,
-        heartbeat_max_failures: int = 2,
+        heartbeat_max_failures: int | None = None,
         layerwise: ProducerSchedule | None = None,
         layerwise_interval: int = 1,
         seed: int = 0,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
+        """Timeouts, TTL and heartbeat failures left ``None`` come from TokenSpeed's
+        variables in ``environ`` (the configs' ``from_env``; their defaults when
+        ``environ`` is ``None``)."""
+        env: Mapping[str, str] = environ or {}
+        prefill_fields = _given(
+            bootstrap_timeout=bootstrap_timeout, failed_session_ttl=failed_session_ttl
+        )
+        decode_fields = _given(
+            waiting_timeout=waiting_timeout, heartbeat_max_failures=heartbeat_max_failures
+        )
         self.now = 0.0
         self.seed = seed
         self.bootstrap_addr = bootstrap_addr
@@ -104,7 +119,8 @@ class CorePair:
         p_tp, d_tp = len(self.prefill_contracts), len(self.decode_contracts)
         self.prefill = [
             PrefillCore(
-                PrefillConfig(
+                PrefillConfig.from_env(
+                    env,
                     tp_size=p_tp,
                     tp_rank=rank,
                     contract=contract,
@@ -112,17 +128,18 @@ class CorePair:
                     arena_len=self.prefill_arenas[rank].size,
                     session_id=f"{HOST}:{SESSION_PORT + 100 + rank}",
                     transfer_workers=transfer_workers,
-                    bootstrap_timeout=bootstrap_timeout,
-                    failed_session_ttl=failed_session_ttl,
                     layerwise=layerwise,
                     layerwise_interval=layerwise_interval,
+                    test_failure_seed=seed + rank,
+                    **prefill_fields,
                 )
             )
             for rank, contract in enumerate(self.prefill_contracts)
         ]
         self.decode = [
             DecodeCore(
-                DecodeConfig(
+                DecodeConfig.from_env(
+                    env,
                     tp_size=d_tp,
                     tp_rank=rank,
                     contract=contract,
@@ -130,12 +147,14 @@ class CorePair:
                     session_id=self.decode_session(rank),
                     endpoint=HOST,
                     port=DECODE_PORT + rank,
-                    waiting_timeout=waiting_timeout,
-                    heartbeat_max_failures=heartbeat_max_failures,
+                    test_failure_seed=seed + 1000 + rank,
+                    **decode_fields,
                 )
             )
             for rank, contract in enumerate(self.decode_contracts)
         ]
+        #: Each Prefill rank's control port (a restart moves it).
+        self.prefill_ports = [PREFILL_PORT + rank for rank in range(p_tp)]
         self._prefill_pages = [PageAllocator(c) for c in self.prefill_contracts]
         self._decode_pages = [PageAllocator(c) for c in self.decode_contracts]
         self._rooms: dict[int, _Room] = {}
@@ -157,6 +176,15 @@ class CorePair:
         self.sent: list[tuple[str, int, SendFrames]] = []
         self.transfers: list[tuple[int, StartTransfer]] = []
         self.bytes_written = 0
+
+    def restart_prefill(self, rank: int) -> None:
+        """Prefill rank ``rank`` dies and starts again: a fresh core (its tables lost)
+        on a new control port, which the bootstrap lookups now answer; messages to
+        the old port are lost, as a PUSH to a dead process queues forever."""
+        old = self.prefill[rank]
+        self.dropped_ports.add(self.prefill_ports[rank])
+        self.prefill_ports[rank] += 100
+        self.prefill[rank] = PrefillCore(old.config)
 
     # ------------------------------------------------------------------ addressing
 
@@ -226,7 +254,7 @@ class CorePair:
                 self.decode[rank].parallel_info(addr, info, self.now)
             case FetchRankInfo(bootstrap_addr=addr, engine_rank=target, dp_group=dp):
                 answer: RankInfo | str = self.rank_info_errors.get(target) or RankInfo(
-                    HOST, PREFILL_PORT + target
+                    HOST, self.prefill_ports[target]
                 )
                 self.decode[rank].rank_info(addr, dp, target, answer, self.now)
             case RoomFailed():
@@ -238,8 +266,8 @@ class CorePair:
         port = command.port
         if port in self.dropped_ports:
             return
-        if PREFILL_PORT <= port < PREFILL_PORT + len(self.prefill):
-            self.prefill[port - PREFILL_PORT].receive_control(command.frames, self.now)
+        if port in self.prefill_ports:
+            self.prefill[self.prefill_ports.index(port)].receive_control(command.frames, self.now)
         elif DECODE_PORT <= port < DECODE_PORT + len(self.decode):
             self.decode[port - DECODE_PORT].receive_status(command.frames, self.now)
         else:
@@ -455,6 +483,8 @@ class CorePair:
             "addresses",
             "rank_infos",
             "registered_ranks",
+            # Bounded and time-limited memory of failed rooms, kept on purpose.
+            "failed_room_memory",
         }
     )
 
