@@ -99,7 +99,8 @@ async def test_demo_moves_verified_bytes(
 
 async def test_demo_reports_every_room_failed_when_the_bytes_differ() -> None:
     """A Decode that expects another seed's pattern sees wrong bytes and a wrong
-    token in every room: the demo says so, room by room, and is not ok."""
+    token in every room: the demo says both, room by room, counts the rooms under
+    the Prefill session they came from, and is not ok."""
     options = DemoOptions(
         workload=_workload(range(5100, 5106), fixed_prompt_pages=2),
         prefill_tp=1,
@@ -112,7 +113,29 @@ async def test_demo_reports_every_room_failed_when_the_bytes_differ() -> None:
     assert summary.errors == []
     assert not summary.ok
     assert (summary.succeeded, summary.failed) == (0, 6)
-    assert all("differ from the pattern" in reason for reason in summary.reasons.values())
+    for reason in summary.reasons.values():
+        assert "differ from the pattern" in reason
+        assert "byte mismatch" in reason
+        assert "another seed's pattern" in reason
+    [sessions] = summary.failed_sessions.values()
+    [session] = sessions.values()
+    assert session["rooms"] == 6
+    assert session["first_room"] == 5100
+
+
+async def test_demo_without_speculative_candidates() -> None:
+    """``--spec-candidates 0`` on both roles: no candidates sent, none expected."""
+    options = DemoOptions(
+        workload=_workload(range(5200, 5204), candidates=0),
+        prefill_tp=1,
+        decode_tp=1,
+        in_flight=4,
+        timeout=60,
+    )
+    summary = await run_demo(options)
+    assert summary.errors == []
+    assert (summary.succeeded, summary.failed) == (4, 0)
+    assert summary.failed_sessions == {}
 
 
 # ------------------------------------------------------------- one side in this process

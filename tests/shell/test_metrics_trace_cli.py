@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import trio
 from click.testing import CliRunner, Result
 
@@ -85,3 +86,31 @@ async def test_trace_merges_both_sides_and_lists_recent_rooms() -> None:
 
     assert unreachable.exit_code == 0
     assert "warning: http://127.0.0.1:1/traces/42" in unreachable.output
+
+
+def test_peer_text_is_printed_as_it_is_not_as_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    """What an endpoint sends is text: rich must not eat ``[...]`` in it."""
+    from tspd.cli.trace import _print_recent, _print_room
+
+    entry = {
+        "room": 9,
+        "side": "decode",
+        "rank": 0,
+        "endpoint": "127.0.0.1:1",
+        "outcome": "failed",
+        "reason_class": "other",
+        "reason": "install 'tspd[mooncake-cpu]' [bold]now[/bold]",
+        "marks_unix": [["registered", 1.0], ["[failed]", 1.5]],
+        "phases": {"[bootstrapping]": 0.5},
+        "bytes": 0,
+        "descriptors": 0,
+        "chunks": 0,
+        "started_unix": 1.0,
+        "duration": 0.5,
+    }
+    _print_room(9, [entry])
+    _print_recent([entry])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "install 'tspd[mooncake-cpu]' [bold]now[/bold]" in out
+    assert "[failed]" in out
+    assert "[bootstrapping] 500.000 ms" in out

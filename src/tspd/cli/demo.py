@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -29,11 +30,23 @@ from typing import Any, TypeVar
 import click
 import trio
 
+from tspd.core.config import (
+    ENV_BOOTSTRAP_TIMEOUT,
+    ENV_HEARTBEAT_INTERVAL,
+    ENV_QUEUE_SIZE,
+    ENV_WAITING_TIMEOUT,
+)
 from tspd.core.errors import TspdError
 from tspd.demo.orchestrate import DemoOptions, DemoSummary, percentile, run_demo
 from tspd.demo.report import Reporter
-from tspd.demo.roles import RoleOptions, run_decode_rank, run_prefill_rank
-from tspd.demo.workload import Workload, parse_rooms
+from tspd.demo.roles import DemoTunables, RoleOptions, run_decode_rank, run_prefill_rank
+from tspd.demo.workload import (
+    DEFAULT_SPEC_CANDIDATES,
+    MAX_SPEC_CANDIDATES,
+    Workload,
+    check_spec_candidates,
+    parse_rooms,
+)
 from tspd.log import configure_logging
 
 __all__ = ["bootstrap_server", "demo"]
@@ -50,6 +63,13 @@ def _rooms(ctx: click.Context, param: click.Parameter, value: str) -> range:
         raise click.BadParameter(str(err)) from None
 
 
+def _spec_candidates(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    try:
+        return check_spec_candidates(value)
+    except TspdError as err:
+        raise click.BadParameter(str(err)) from None
+
+
 def _workload_options(fn: F) -> F:
     options = [
         click.option(
@@ -61,6 +81,15 @@ def _workload_options(fn: F) -> F:
         ),
         click.option(
             "--seed", default=0, show_default=True, help="Interop pattern seed (spec §15)."
+        ),
+        click.option(
+            "--spec-candidates",
+            type=int,
+            default=DEFAULT_SPEC_CANDIDATES,
+            show_default=True,
+            callback=_spec_candidates,
+            help="Speculative candidate ids a Prefill sends and a Decode expects with each "
+            f"bootstrap token (0-{MAX_SPEC_CANDIDATES}; 0: none). Match the peer you face.",
         ),
         click.option(
             "--host",
@@ -90,8 +119,18 @@ def _workload_options(fn: F) -> F:
         click.option("--in-flight", default=16, show_default=True),
         click.option("--layerwise", is_flag=True, help="Stream KV layer by layer."),
         click.option("--scatter", is_flag=True, help="Allocate pages scattered, not contiguous."),
-        click.option("--bootstrap-timeout", default=30.0, show_default=True),
-        click.option("--waiting-timeout", default=60.0, show_default=True),
+        click.option(
+            "--bootstrap-timeout",
+            type=float,
+            default=None,
+            help=f"Seconds (default: ${ENV_BOOTSTRAP_TIMEOUT}, else 30).",
+        ),
+        click.option(
+            "--waiting-timeout",
+            type=float,
+            default=None,
+            help=f"Seconds (default: ${ENV_WAITING_TIMEOUT}, else 60).",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -102,6 +141,7 @@ def _workload(kw: dict[str, Any]) -> Workload:
     return Workload(
         rooms=kw["rooms"],
         seed=kw["seed"],
+        candidates=kw["spec_candidates"],
         layers=kw["layers"],
         global_heads=kw["heads"],
         head_dim=kw["head_dim"],
@@ -111,6 +151,21 @@ def _workload(kw: dict[str, Any]) -> Workload:
         fixed_prompt_pages=kw["fixed_prompt_pages"],
         contract_file=kw["contract_file"],
     )
+
+
+def _tunables(kw: dict[str, Any], **explicit: Any) -> DemoTunables:
+    """The demo's timeouts and sizes: an explicit option wins, then TokenSpeed's
+    variable when set, then the demo's own default (an invalid variable is a usage
+    error that names it)."""
+    try:
+        return DemoTunables.resolve(
+            os.environ,
+            bootstrap_timeout=kw["bootstrap_timeout"],
+            waiting_timeout=kw["waiting_timeout"],
+            **explicit,
+        )
+    except TspdError as err:
+        raise click.UsageError(str(err)) from None
 
 
 def _logging(verbose: bool) -> None:
@@ -146,6 +201,7 @@ def demo(
     if ctx.invoked_subcommand is not None:
         return
     _logging(False)
+    tuned = _tunables(kw)
     options = DemoOptions(
         workload=_workload(kw),
         prefill_tp=prefill_tp,
@@ -155,8 +211,8 @@ def demo(
         layerwise=kw["layerwise"],
         scatter=kw["scatter"],
         timeout=timeout,
-        bootstrap_timeout=kw["bootstrap_timeout"],
-        waiting_timeout=kw["waiting_timeout"],
+        bootstrap_timeout=tuned.bootstrap_timeout,
+        waiting_timeout=tuned.waiting_timeout,
         metrics_port=metrics_port,
     )
     summary = _run_with_progress(options, quiet=as_json)
@@ -208,15 +264,27 @@ def _trace_line(entry: dict[str, Any]) -> str:
     )
 
 
+def _failed_session_line(name: str, session: str, entry: dict[str, Any]) -> str:
+    """One Decode rank's failures from one Prefill session, counted."""
+    line = f"{name}: {entry.get('rooms', 0)} rooms from Prefill {session} failed"
+    if entry.get("first_reason"):
+        line += f", first room {entry.get('first_room')}: {entry['first_reason']}"
+    return line
+
+
 def _print_summary(options: DemoOptions, summary: DemoSummary) -> None:
+    """The summary table and what failed. Reasons, errors and addresses are printed
+    as they are: rich must not read them as markup (``pip install
+    'tspd[mooncake-cpu]'`` would lose ``[mooncake-cpu]``)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(
         title=(
             f"tspd demo: Prefill TP{options.prefill_tp} → Decode TP{options.decode_tp}, "
             f"{'layerwise' if options.layerwise else 'full'} transfers, "
-            f"Mooncake TCP on {options.host}"
+            f"Mooncake TCP on {escape(options.host)}"
         )
     )
     table.add_column("figure")
@@ -231,7 +299,7 @@ def _print_summary(options: DemoOptions, summary: DemoSummary) -> None:
     table.add_row("KV verified", f"{summary.bytes_verified / 1e6:.1f} MB")
     table.add_row("GB/s (verified bytes / serving time)", f"{summary.gbps:.3f}")
     for role in sorted(summary.cpu):
-        table.add_row(f"CPU per room, {role}", _ms(summary.cpu_per_room(role)))
+        table.add_row(f"CPU per room, {escape(role)}", _ms(summary.cpu_per_room(role)))
     table.caption = (
         "The demo's ranks also generate (Prefill) and check (Decode) every KV byte with "
         "the SHAKE-256 pattern of spec §15; its CPU and latency figures include that. "
@@ -243,13 +311,21 @@ def _print_summary(options: DemoOptions, summary: DemoSummary) -> None:
     )
     console = Console()
     console.print(table)
+    # A failed Prefill session is one line with its count, however many rooms it took.
+    for name, sessions in sorted(summary.failed_sessions.items()):
+        for session, entry in sessions.items():
+            if not entry.get("rooms"):
+                continue
+            console.print(
+                f"[red]failed session:[/red] {escape(_failed_session_line(name, session, entry))}"
+            )
     for room, reason in list(summary.reasons.items())[:10]:
-        console.print(f"[red]room {room} failed:[/red] {reason}")
+        console.print(f"[red]room {room} failed:[/red] {escape(reason)}")
     for room, traces in list(summary.traces.items())[:3]:
         for entry in traces:
             console.print(f"  room {room} on {_trace_line(entry)}", markup=False)
     for error in summary.errors:
-        console.print(f"[red]error:[/red] {error}")
+        console.print(f"[red]error:[/red] {escape(error)}")
     console.print("[green]all rooms verified[/green]" if summary.ok else "[red]demo FAILED[/red]")
 
 
@@ -267,8 +343,18 @@ def _role_command(role: str) -> click.Command:
         help="The Prefill instance's bootstrap server: host:port, or a port on --host.",
     )
     @click.option("--agree", default="", help="Comma-separated agreement endpoints of every rank.")
-    @click.option("--workers", default=2, show_default=True, help="Transfer workers (Prefill).")
-    @click.option("--heartbeat-interval", default=1.0, show_default=True)
+    @click.option(
+        "--workers",
+        type=int,
+        default=None,
+        help=f"Transfer workers, Prefill (default: ${ENV_QUEUE_SIZE}, else 2).",
+    )
+    @click.option(
+        "--heartbeat-interval",
+        type=float,
+        default=None,
+        help=f"Seconds, Decode (default: ${ENV_HEARTBEAT_INTERVAL}, else 1).",
+    )
     @click.option(
         "--never-preallocate",
         is_flag=True,
@@ -292,8 +378,8 @@ def _role_command(role: str) -> click.Command:
         tp: int,
         bootstrap: str,
         agree: str,
-        workers: int,
-        heartbeat_interval: float,
+        workers: int | None,
+        heartbeat_interval: float | None,
         never_preallocate: bool,
         metrics_port: int | None,
         hold_reports: bool,
@@ -301,6 +387,7 @@ def _role_command(role: str) -> click.Command:
         **kw: Any,
     ) -> None:
         _logging(verbose)
+        tuned = _tunables(kw, workers=workers, heartbeat_interval=heartbeat_interval)
         options = RoleOptions(
             workload=_workload(kw),
             rank=rank,
@@ -311,10 +398,12 @@ def _role_command(role: str) -> click.Command:
             in_flight=kw["in_flight"],
             layerwise=kw["layerwise"],
             scatter=kw["scatter"],
-            workers=workers,
-            bootstrap_timeout=kw["bootstrap_timeout"],
-            waiting_timeout=kw["waiting_timeout"],
-            heartbeat_interval=heartbeat_interval,
+            workers=tuned.workers,
+            bootstrap_timeout=tuned.bootstrap_timeout,
+            waiting_timeout=tuned.waiting_timeout,
+            failed_session_ttl=tuned.failed_session_ttl,
+            heartbeat_interval=tuned.heartbeat_interval,
+            heartbeat_max_failures=tuned.heartbeat_max_failures,
             never_preallocate=never_preallocate,
             metrics_port=metrics_port,
         )

@@ -156,7 +156,7 @@ def render_item(item: SubscriberItem, *, show_events: bool) -> list[str]:
         case BatchesLost():
             return [
                 f"[bold red]lost[/] {escape(item.source)}: #{item.first_missing}.."
-                f"#{item.resumed_at - 1} ({item.count} batches, {item.reason}); "
+                f"#{item.resumed_at - 1} ({item.count} batches, {escape(item.reason)}); "
                 "this view is incomplete"
             ]
         case PublisherRestarted():

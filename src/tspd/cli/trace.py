@@ -75,19 +75,20 @@ def _print_room(room: int, traces: list[dict[str, Any]]) -> None:
     timeline.add_column("+ms", justify="right")
     timeline.add_column("rank")
     timeline.add_column("milestone")
+    # What the endpoints sent is text, never markup (rich would eat "[...]" in it).
     for when, who, mark in marks:
-        timeline.add_row(f"{(when - start) * 1e3:.3f}", who, mark)
+        timeline.add_row(f"{(when - start) * 1e3:.3f}", escape(who), escape(str(mark)))
     console.print(timeline)
     for entry in sorted(traces, key=_who):
-        outcome = entry["outcome"] or "live"
-        line = f"[bold]{_who(entry)}[/bold] ({escape(entry['endpoint'])}): {outcome}"
+        outcome = escape(str(entry["outcome"] or "live"))
+        line = f"[bold]{escape(_who(entry))}[/bold] ({escape(entry['endpoint'])}): {outcome}"
         if entry["reason"]:
             why = f"[{entry['reason_class']}] {entry['reason']}"
             line += f" [red]{escape(why)}[/red]"
         console.print(line)
         phases = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in entry["phases"].items())
         if phases:
-            console.print(f"  phases: {phases}")
+            console.print(f"  phases: {phases}", markup=False)
         if entry["bytes"]:
             console.print(
                 f"  {entry['bytes']} bytes in {entry['descriptors']} descriptors, "
@@ -106,9 +107,9 @@ def _print_recent(traces: list[dict[str, Any]]) -> None:
     for entry in sorted(traces, key=lambda e: e["started_unix"]):
         table.add_row(
             str(entry["room"]),
-            _who(entry),
-            entry["outcome"] or "live",
-            entry["reason_class"] or "",
+            escape(_who(entry)),
+            escape(str(entry["outcome"] or "live")),
+            escape(str(entry["reason_class"] or "")),
             f"{entry['duration'] * 1e3:.1f}",
             escape(entry["reason"] or ""),
         )

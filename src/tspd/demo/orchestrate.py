@@ -102,6 +102,10 @@ class DemoSummary:
     metrics: dict[str, str] = field(default_factory=dict)
     #: The first failed rooms' traces, from every rank that kept one.
     traces: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    #: Per Decode rank (``decode-0``...): the Prefill sessions its rooms failed from,
+    #: each with its count of failed rooms and first failure (the ranks' ``done``
+    #: reports, :class:`~tspd.demo.failures.SessionFailures`).
+    failed_sessions: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -140,6 +144,7 @@ class DemoSummary:
             "cpu_per_room_s": {role: self.cpu_per_room(role) for role in self.cpu},
             "failures": {str(room): reason for room, reason in sorted(self.reasons.items())[:20]},
             "failure_traces": {str(room): traces for room, traces in self.traces.items()},
+            "failed_sessions": self.failed_sessions,
             "metrics": self.metrics,
             "errors": self.errors,
         }
@@ -248,6 +253,8 @@ def _role_args(
         rooms,
         "--seed",
         str(w.seed),
+        "--spec-candidates",
+        str(w.candidates),
         "--host",
         opts.host,
         "--in-flight",
@@ -431,6 +438,8 @@ def _summarise(
                 side = str(record["role"])
                 summary.cpu[side] = summary.cpu.get(side, 0.0) + float(record["cpu"])
                 summary.stats[role.name] = record.get("stats", {})
+                if record.get("failed_sessions"):
+                    summary.failed_sessions[role.name] = record["failed_sessions"]
                 if side == "decode":
                     ends.append(float(record["t"]))
     for room in opts.workload.rooms:

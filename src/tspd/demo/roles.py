@@ -30,13 +30,23 @@ import contextlib
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any, Final
 
 import trio
 
 from tspd.core.commands import Bootstrapped, Failed, RemotePrefillDone, Succeeded
+from tspd.core.config import (
+    ENV_BOOTSTRAP_TIMEOUT,
+    ENV_FAILED_SESSION_TTL,
+    ENV_HEARTBEAT_INTERVAL,
+    ENV_HEARTBEAT_MAX_FAILURE,
+    ENV_QUEUE_SIZE,
+    ENV_WAITING_TIMEOUT,
+    parse_pd_env,
+)
 from tspd.core.contract import CacheContract
 from tspd.core.decode import DecodeConfig
 from tspd.core.errors import ConfigError, TspdError
@@ -44,9 +54,11 @@ from tspd.core.interop import bootstrap_token_and_candidates
 from tspd.core.manifest import BlockManifest, build_manifest
 from tspd.core.prefill import ExtendRow, PrefillConfig
 from tspd.core.schedule import ProducerSchedule
+from tspd.demo.failures import SessionFailures
 from tspd.demo.report import Reporter
 from tspd.demo.workload import Workload
 from tspd.engines.mooncake import MooncakeEngine
+from tspd.layouts import PageAllocator
 from tspd.log import component_logger
 from tspd.shell.agreement import ReplicaAgreement, SingleRank, ZmqAgreement
 from tspd.shell.arena import HostArena, clear_room, fill_room, verify_room
@@ -56,9 +68,8 @@ from tspd.shell.metrics import TspdMetrics, open_metrics_server
 from tspd.shell.offload import EngineRunner
 from tspd.shell.prefill import PrefillPeer, PrefillSettings, RemoteDecodeRow, open_prefill_peer
 from tspd.shell.steps import StepCounter
-from tspd.testing.layouts import PageAllocator
 
-__all__ = ["RoleOptions", "run_decode_rank", "run_prefill_rank"]
+__all__ = ["DemoTunables", "RoleOptions", "run_decode_rank", "run_prefill_rank"]
 
 log = component_logger("demo")
 
@@ -109,6 +120,46 @@ class RoleOptions:
     #: Serve /metrics and /traces on this port (0: any free port); ``None``: no endpoint.
     metrics_port: int | None = None
     extra: dict[str, object] = field(default_factory=dict)
+
+
+#: Each demo tunable -> (TokenSpeed's variable, its :class:`PDEnv` field).
+_TUNABLE_VARIABLES: Final = {
+    "bootstrap_timeout": (ENV_BOOTSTRAP_TIMEOUT, "bootstrap_timeout"),
+    "waiting_timeout": (ENV_WAITING_TIMEOUT, "waiting_timeout"),
+    "workers": (ENV_QUEUE_SIZE, "queue_size"),
+    "failed_session_ttl": (ENV_FAILED_SESSION_TTL, "failed_session_ttl"),
+    "heartbeat_interval": (ENV_HEARTBEAT_INTERVAL, "heartbeat_interval"),
+    "heartbeat_max_failures": (ENV_HEARTBEAT_MAX_FAILURE, "heartbeat_max_failures"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DemoTunables:
+    """The demo's timeouts and sizes. Its own defaults are shorter than TokenSpeed's
+    so a stuck demo ends in a minute; :meth:`resolve` lets TokenSpeed's variables
+    replace them, as an operator tunes a TokenSpeed deployment."""
+
+    bootstrap_timeout: float = 30.0
+    waiting_timeout: float = 60.0
+    workers: int = 2
+    failed_session_ttl: float = 30.0
+    heartbeat_interval: float = 1.0
+    heartbeat_max_failures: int = 2
+
+    @classmethod
+    def resolve(cls, environ: Mapping[str, str], **explicit: float | int | None) -> DemoTunables:
+        """An explicit value (not ``None``) wins, then the variable when it is set in
+        ``environ``, then the demo default. Raises ``ConfigError`` naming a variable
+        whose value is invalid."""
+        env = parse_pd_env(environ, prefill=False)
+        values: dict[str, Any] = {}
+        for name, (variable, env_field) in _TUNABLE_VARIABLES.items():
+            given = explicit.get(name)
+            if given is not None:
+                values[name] = given
+            elif environ.get(variable, "").strip():
+                values[name] = getattr(env, env_field)
+        return cls(**values)
 
 
 @asynccontextmanager
@@ -168,9 +219,10 @@ _POLL_MAX_DESCRIPTORS = 1 << 16
 
 
 def _engine(host: str) -> EngineRunner:
-    return EngineRunner(
+    return EngineRunner.from_env(
         MooncakeEngine(host),
-        limiter=trio.CapacityLimiter(1),
+        os.environ,
+        default_concurrency=1,
         poll_max_descriptors=_POLL_MAX_DESCRIPTORS,
     )
 
@@ -181,7 +233,8 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
     contract = workload.contract(opts.tp)
     _check_capacity(opts, contract)
     schedule = ProducerSchedule.from_contract(contract, workload.layers) if opts.layerwise else None
-    config = PrefillConfig(
+    config = PrefillConfig.from_env(
+        os.environ,
         tp_size=opts.tp,
         tp_rank=opts.rank,
         contract=contract,
@@ -371,7 +424,8 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
     workload = opts.workload
     contract = workload.contract(opts.tp)
     _check_capacity(opts, contract)
-    config = DecodeConfig(
+    config = DecodeConfig.from_env(
+        os.environ,
         tp_size=opts.tp,
         tp_rank=opts.rank,
         contract=contract,
@@ -387,7 +441,14 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
     pages = PageAllocator(contract, contiguous=not opts.scatter)
     engine = _engine(opts.host)
     failed = 0
-    with HostArena.for_contract(contract) as arena, contextlib.closing(engine):
+    # Every room comes from the one Prefill instance at opts.bootstrap: its failures
+    # are logged once for it, with their count, not once per room.
+    failures = SessionFailures(lambda room: opts.bootstrap, [opts.bootstrap])
+    with (
+        HostArena.for_contract(contract) as arena,
+        contextlib.closing(engine),
+        failures.collapse(component_logger("decode")),
+    ):
         async with (
             _metrics(opts) as (metrics, metrics_url),
             _agreement(opts) as agreement,
@@ -442,7 +503,9 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
                         )
                         if row_manifest is not None:
                             pages.release(row_manifest[0])
-                        failed += not ok
+                        if not ok:
+                            failed += 1
+                            failures.add(room, reason or "no reason given")
                         reporter.emit(
                             "room",
                             room=room,
@@ -456,11 +519,13 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
                 if not events:
                     with trio.move_on_after(_IDLE_MAX):
                         await peer.wait_for_activity()
+            failures.log_summary(log, len(workload.rooms))
             reporter.emit(
                 "done",
                 cpu=time.process_time() - cpu0,
                 wall=time.monotonic() - wall0,
                 failed=failed,
+                failed_sessions=failures.as_dict(),
                 stats=peer.statistics(),
             )
     return failed
@@ -481,20 +546,35 @@ def _finish(
         return False, "RemotePrefillDone for a room this rank never pre-allocated", 0
     workload = opts.workload
     manifest = held[1]
+    # The token and the bytes are both checked and both reported: a wrong token with
+    # right bytes, right bytes with a wrong token and both wrong (another seed) are
+    # three different problems for whoever runs the Prefill.
+    problems: list[str] = []
     token, candidates = bootstrap_token_and_candidates(workload.seed, room, workload.candidates)
     if (event.bootstrap_token, event.spec_candidate_ids) != (token, candidates):
-        return (
-            False,
+        problem = (
             f"bootstrap token/candidates {event.bootstrap_token}/{event.spec_candidate_ids} "
-            f"differ from the pattern's {token}/{candidates}",
-            0,
+            f"differ from the pattern's {token}/{candidates}"
         )
+        if event.bootstrap_token == token:
+            problem += (
+                f" (this rank expects {workload.candidates} speculative candidates: "
+                "--spec-candidates must match the Prefill's)"
+            )
+        problems.append(problem)
     mismatches = verify_room(
         arena, contract, manifest, seed=workload.seed, room=room, tp_size=opts.tp, tp_rank=opts.rank
     )
     if mismatches:
         more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
-        return False, f"byte mismatch: {mismatches[0]}{more}", 0
+        problems.append(f"byte mismatch: {mismatches[0]}{more}")
+        if event.bootstrap_token != token:
+            problems.append(
+                "the token and the bytes both differ: the Prefill probably writes another "
+                f"seed's pattern (this rank checks seed {workload.seed}: --seed)"
+            )
+    if problems:
+        return False, "; ".join(problems), 0
     nbytes = sum(
         field.payload_bytes
         for group in manifest.groups

@@ -21,21 +21,26 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from tspd.core.contract import (
-    CacheContract,
-    CacheMemoryPlan,
-    FieldSpec,
-    GroupSpec,
-    Partition,
-    Plane,
-    PlanGroup,
-    TransferSchema,
-    dtype_width,
-    parse_contract,
-)
-from tspd.core.errors import ConfigError
+from tspd.core.contract import CacheContract, check_local_contract, parse_contract
+from tspd.core.errors import ConfigError, ContractError
+from tspd.layouts import kv_heads_per_rank, mha_contract
 
-__all__ = ["Workload", "demo_contract", "parse_rooms"]
+__all__ = [
+    "DEFAULT_SPEC_CANDIDATES",
+    "MAX_SPEC_CANDIDATES",
+    "Workload",
+    "check_spec_candidates",
+    "demo_contract",
+    "parse_rooms",
+]
+
+#: Speculative candidate ids sent (Prefill) and expected (Decode) with each bootstrap
+#: token by default. TokenSpeed's interop peers take theirs as an option
+#: (``--spec-candidates`` / ``--expect-spec``) and face the demo with 2.
+DEFAULT_SPEC_CANDIDATES = 2
+#: The most a demo rank sends or expects: every status message carries them as one
+#: int32 frame, and speculative decoders draft far fewer.
+MAX_SPEC_CANDIDATES = 1024
 
 
 def demo_contract(
@@ -52,44 +57,21 @@ def demo_contract(
     """One TP rank's KV cache: group ``"kv"`` (full history, ``page_tokens`` tokens a
     page) with fields ``layer.<L>.k`` / ``layer.<L>.v`` of local shape
     ``(heads, page_tokens, head_dim)``, each in its own plane, partitioned on axis 0
-    with ``global_heads`` in all."""
-    if heads * tp_size < global_heads or global_heads % heads:
+    with ``global_heads`` in all (:func:`tspd.layouts.mha_contract`, head-major)."""
+    if heads != kv_heads_per_rank(global_heads, tp_size):
         raise ConfigError(
             f"{heads} local KV heads on TP={tp_size} cannot hold {global_heads} global heads"
         )
-    payload = heads * page_tokens * head_dim * dtype_width(dtype)
-    planes: list[Plane] = []
-    fields: list[FieldSpec] = []
-    partitions: list[tuple[str, Partition]] = []
-    offset = 0
-    for layer in range(layers):
-        for part in ("k", "v"):
-            fid = f"layer.{layer}.{part}"
-            planes.append(Plane(fid, payload, offset))
-            offset += (num_pages + 1) * payload
-            fields.append(
-                FieldSpec("kv", fid, fid, (heads, page_tokens, head_dim), dtype, 0, payload)
-            )
-            partitions.append((fid, Partition(axis=0, global_extent=global_heads)))
-    plan = CacheMemoryPlan(
-        prefix_granularity=page_tokens,
-        lcm_block_bytes=sum(p.bytes_per_lcm_block for p in planes),
-        num_lcm_blocks=num_pages,
-        groups=(PlanGroup("kv", 1, num_pages + 1),),
-        planes=tuple(planes),
-        fields=tuple(fields),
+    return mha_contract(
+        num_layers=layers,
+        num_kv_heads=global_heads,
+        head_dim=head_dim,
+        page_tokens=page_tokens,
+        num_pages=num_pages,
+        dtype=dtype,
+        tp_size=tp_size,
+        token_layout="head_major",
     )
-    spec = GroupSpec(
-        group_id="kv",
-        retention="full_history",
-        rows_per_page=page_tokens,
-        entry_stride_tokens=1,
-        sliding_window_tokens=None,
-        family="history",
-        transfer_policy="full_suffix",
-        checkpoint_granularity=None,
-    )
-    return CacheContract(plan, (spec,), TransferSchema(tuple(partitions)))
 
 
 def parse_rooms(text: str) -> range:
@@ -107,6 +89,18 @@ def parse_rooms(text: str) -> range:
     return rooms
 
 
+def check_spec_candidates(count: int) -> int:
+    """``count`` if it is a valid number of speculative candidates, else
+    :class:`ConfigError` saying what is accepted."""
+    if not 0 <= count <= MAX_SPEC_CANDIDATES:
+        raise ConfigError(
+            f"--spec-candidates must be between 0 and {MAX_SPEC_CANDIDATES} (speculative "
+            f"candidate ids sent with each bootstrap token; 0 sends none), got {count}; "
+            "use the same value as the peer you face"
+        )
+    return count
+
+
 @dataclass(frozen=True, slots=True)
 class Workload:
     """The request stream and cache geometry both sides of the demo use.
@@ -114,7 +108,8 @@ class Workload:
     ``max_prompt_pages`` bounds a prompt's pages (each room gets 1..max pages
     worth of tokens); ``fixed_prompt_pages`` gives every room exactly that many
     (the benchmarks). ``candidates`` is the number of speculative candidates sent
-    with each bootstrap token.
+    (Prefill) and expected (Decode) with each bootstrap token, 0 to
+    :data:`MAX_SPEC_CANDIDATES` (``--spec-candidates``).
     """
 
     rooms: range
@@ -127,21 +122,26 @@ class Workload:
     dtype: str = "bfloat16"
     max_prompt_pages: int = 8
     fixed_prompt_pages: int | None = None
-    candidates: int = 2
+    candidates: int = DEFAULT_SPEC_CANDIDATES
     contract_file: str | None = None
+
+    def __post_init__(self) -> None:
+        check_spec_candidates(self.candidates)
 
     def contract(self, tp_size: int) -> CacheContract:
         """This workload's contract for a rank of a TP group of ``tp_size``."""
         if self.contract_file is not None:
-            return parse_contract(Path(self.contract_file).read_bytes())
+            # This rank's own contract: held to tspd's local checks, not only S1's.
+            try:
+                contract = parse_contract(Path(self.contract_file).read_bytes())
+                check_local_contract(contract)
+            except ContractError as err:
+                cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
+                raise ContractError(f"--contract {self.contract_file}: {err}{cause}") from err
+            return contract
         # More ranks than KV heads: each rank holds one head and ranks replicate
         # heads (GQA), which gives the Prefill side dummy ranks (spec §6.4).
-        heads = max(1, self.global_heads // tp_size)
-        if self.global_heads % heads or tp_size % (self.global_heads // heads):
-            raise ConfigError(
-                f"{self.global_heads} KV heads cannot be split over TP={tp_size}; "
-                "pick a TP size that divides the head count or a multiple of it"
-            )
+        heads = kv_heads_per_rank(self.global_heads, tp_size)
         return demo_contract(
             layers=self.layers,
             num_pages=self.num_pages,
