@@ -36,13 +36,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Final, TextIO, final
 
-from tspd.core.commands import Command, Log, LogLevel, RoomFailed
+from tspd.core.commands import Command, Log, LogLevel, Rejected, RoomFailed
 
 __all__ = [
     "COMPONENTS",
     "LEVELS",
     "JsonFormatter",
     "KeyValueFormatter",
+    "LogLimits",
     "RateLimitedLog",
     "component_logger",
     "configure_logging",
@@ -165,26 +166,64 @@ def configure_logging(
     return handler
 
 
-def log_command(logger: logging.Logger, command: Command, **context: object) -> bool:
-    """Log a core's :class:`Log` or :class:`RoomFailed` command on ``logger`` with
-    ``context`` (``side=``, ``rank=``...) as fields; ``True`` if it was one of them.
+def log_command(
+    logger: logging.Logger,
+    command: Command,
+    *,
+    limits: LogLimits | None = None,
+    **context: object,
+) -> bool:
+    """Log a core's :class:`Log`, :class:`RoomFailed` or :class:`Rejected` command on
+    ``logger`` with ``context`` (``side=``, ``rank=``...) as fields; ``True`` if it
+    was one of them.
 
     A failure is one WARNING line with its reason and ``reason_class`` (and
     ``timeout_stage`` for a timeout): the cores emit one :class:`RoomFailed` per
-    failed room and no other line about it.
+    failed room and no other line about it. A rejected message is one line at its
+    level. With ``limits`` (a peer's :class:`LogLimits`), what a peer can repeat at
+    will is rate-limited: rejections per ``(peer, reason)``, failures per reason
+    class beyond a burst, each with a suppressed count.
     """
     if isinstance(command, RoomFailed):
         if logger.isEnabledFor(logging.WARNING):
-            logger.warning(
-                "room %d failed: %s",
-                command.room,
-                command.reason,
-                extra=fields(
-                    room=command.room,
-                    reason_class=str(command.reason_class),
-                    timeout_stage=command.timeout_stage,
-                    **context,
-                ),
+            extra = {
+                "room": command.room,
+                "reason_class": str(command.reason_class),
+                "timeout_stage": command.timeout_stage,
+                **context,
+            }
+            if limits is None:
+                logger.warning(
+                    "room %d failed: %s", command.room, command.reason, extra=fields(**extra)
+                )
+            else:
+                limits.failures.log(
+                    logging.WARNING,
+                    "rooms",
+                    str(command.reason_class),
+                    "room %d failed: %s",
+                    command.room,
+                    command.reason,
+                    exc_info=False,
+                    **extra,
+                )
+        return True
+    if isinstance(command, Rejected):
+        level = LEVELS[command.level]
+        if limits is None:
+            if logger.isEnabledFor(level):
+                extra = {"peer": command.peer, "reason": str(command.reason), **context}
+                logger.log(level, "%s", command.message, extra=fields(room=command.room, **extra))
+        else:
+            limits.rejections.log(
+                level,
+                command.peer,
+                str(command.reason),
+                "%s",
+                command.message,
+                exc_info=False,
+                room=command.room,
+                **context,
             )
         return True
     if isinstance(command, Log):
@@ -196,8 +235,29 @@ def log_command(logger: logging.Logger, command: Command, **context: object) -> 
 
 
 @final
+class LogLimits:
+    """The rate limits of one peer's log lines about what others send it:
+    ``rejections`` (one line per ``(peer, reason)`` every ``interval`` seconds) and
+    ``failures`` (up to ``failure_burst`` failed-room lines per reason class every
+    ``interval`` seconds, then a count). See :func:`log_command`."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        interval: float = 10.0,
+        failure_burst: int = 100,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rejections = RateLimitedLog(logger, interval=interval, clock=clock)
+        self.failures = RateLimitedLog(
+            logger, interval=interval, burst=failure_burst, max_keys=64, clock=clock
+        )
+
+
+@final
 class RateLimitedLog:
-    """At most one log line per ``(peer, reason)`` every ``interval`` seconds.
+    """At most ``burst`` log lines per ``(peer, reason)`` every ``interval`` seconds.
 
     For lines about things a peer, client or the network can repeat at will
     (refused requests, malformed messages): the first line of a kind is written at
@@ -209,7 +269,10 @@ class RateLimitedLog:
     tracked; once it is full (and none of its entries has expired), a new peer is
     counted under the peer ``"*"`` for its reason, so a flood from many addresses
     still writes at most one line per reason per interval. ``peer`` and ``reason``
-    are also passed as record fields. ``clock`` (seconds, monotonic) is for tests.
+    are also passed as record fields. ``burst`` (1 by default) lets that many lines
+    of a kind through in each interval before counting starts (for lines that are
+    worth reading one by one until they become a flood). ``clock`` (seconds,
+    monotonic) is for tests.
     """
 
     OTHER_PEERS: Final = "*"
@@ -220,18 +283,21 @@ class RateLimitedLog:
         *,
         interval: float = 10.0,
         max_keys: int = 1024,
+        burst: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not interval >= 0 or max_keys < 1:
+        if not interval >= 0 or max_keys < 1 or burst < 1:
             raise ValueError(
-                f"RateLimitedLog needs interval >= 0 and max_keys >= 1, got {interval}, {max_keys}"
+                "RateLimitedLog needs interval >= 0, max_keys >= 1 and burst >= 1, got "
+                f"{interval}, {max_keys}, {burst}"
             )
         self.logger = logger
         self.interval = interval
         self.max_keys = max_keys
+        self.burst = burst
         self._clock = clock
-        # (peer, reason) -> [time of the last line written, lines suppressed since];
-        # in the order lines were last written, so expired entries are at the front.
+        # (peer, reason) -> [start of its interval, lines suppressed in it, lines
+        # written in it]; in the order intervals started, so expired ones are first.
         self._keys: dict[tuple[str, str], list[float]] = {}
         #: Lines held back in total (every key, since construction).
         self.suppressed_total = 0
@@ -275,13 +341,17 @@ class RateLimitedLog:
         key = self._key(peer, reason, now)
         entry = self._keys.get(key)
         if entry is not None and now - entry[0] < self.interval:
-            entry[1] += 1
-            self.suppressed_total += 1
-            return False
-        suppressed = int(entry[1]) if entry is not None else 0
-        if entry is not None:
-            del self._keys[key]  # re-insert at the back: the newest line written
-        self._keys[key] = [now, 0]
+            if entry[2] >= self.burst:
+                entry[1] += 1
+                self.suppressed_total += 1
+                return False
+            entry[2] += 1
+            suppressed = 0
+        else:
+            suppressed = int(entry[1]) if entry is not None else 0
+            if entry is not None:
+                del self._keys[key]  # re-insert at the back: the newest interval
+            self._keys[key] = [now, 0, 1]
         if suppressed:
             since = now - entry[0] if entry is not None else 0.0
             msg = f"{msg} ({suppressed} similar lines suppressed in the last {since:.0f} s)"

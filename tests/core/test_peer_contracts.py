@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from tspd.core import wire
 from tspd.core.bootstrap import BootstrapState, build_route_payload, parse_parallel_info
-from tspd.core.commands import FetchParallelInfo, FetchRankInfo, Log, LogLevel
+from tspd.core.commands import FetchParallelInfo, FetchRankInfo, Log, LogLevel, Rejected
 from tspd.core.contract import (
     DTYPE_WIDTHS,
     CacheContract,
@@ -215,7 +215,9 @@ def cases(draw: st.DrawFn) -> Case:
 
 
 def _errors(commands: list[Any]) -> list[str]:
-    return [c.message for c in commands if isinstance(c, Log) and c.level is LogLevel.ERROR]
+    return [
+        c.message for c in commands if isinstance(c, Log | Rejected) and c.level is LogLevel.ERROR
+    ]
 
 
 @given(cases())

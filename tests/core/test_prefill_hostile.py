@@ -11,7 +11,7 @@ import pytest
 from tspd.core import wire
 from tspd.core.commands import Bootstrapped, Failed
 from tspd.core.machines import RoomState
-from tspd.core.prefill import FAILED_ROOM_MEMORY, REJECTED_SESSION_MEMORY
+from tspd.core.prefill import FAILED_ROOM_MEMORY, MAX_UNCLAIMED_ROOMS, REJECTED_SESSION_MEMORY
 from tspd.testing.core_pair import CorePair
 from tspd.testing.layouts import room_manifest, simple_contract
 
@@ -97,3 +97,17 @@ def test_rejected_sessions_are_bounded(pair: CorePair) -> None:
         core.receive_control(frames, pair.now)
     pair.pump()
     assert core.statistics()["rejected"] == REJECTED_SESSION_MEMORY
+
+
+def test_rooms_failed_by_forged_preallocations_are_bounded(pair: CorePair) -> None:
+    core = pair.prefill[0]
+    for room in range(MAX_UNCLAIMED_ROOMS + 10):
+        frames = wire.encode_preallocation(room, "203.0.113.9:1", None)
+        core.receive_control(frames, pair.now)
+        core.drain_commands()
+    stats = core.statistics()
+    assert stats["rooms"] == MAX_UNCLAIMED_ROOMS
+    assert stats["unclaimed"] == MAX_UNCLAIMED_ROOMS
+    # The oldest went first; the newest is still there.
+    assert core.room_state(0) is RoomState.ABSENT
+    assert core.room_state(MAX_UNCLAIMED_ROOMS + 9) is RoomState.FAILED

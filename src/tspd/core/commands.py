@@ -35,6 +35,8 @@ __all__ = [
     "FetchRankInfo",
     "Log",
     "LogLevel",
+    "RejectReason",
+    "Rejected",
     "RemotePrefillDone",
     "RoomFailed",
     "SendFrames",
@@ -182,8 +184,48 @@ class Log:
     room: int | None = None
 
 
+class RejectReason(enum.StrEnum):
+    """Why a message from a peer was refused (a metric label and a log key)."""
+
+    #: Frame 0 unreadable: neither a registration nor a pre-allocation.
+    MALFORMED_HEADER = "malformed-header"
+    #: A registration whose frames do not decode.
+    MALFORMED_REGISTRATION = "malformed-registration"
+    #: A well-formed registration refused (unplannable route, conflict).
+    REGISTRATION_REFUSED = "registration-refused"
+    #: A pre-allocation whose route header does not decode.
+    MALFORMED_PREALLOCATION = "malformed-preallocation"
+    #: A well-formed pre-allocation refused (unregistered session, bad manifest...).
+    PREALLOCATION_REFUSED = "preallocation-refused"
+    #: A status message that does not decode.
+    MALFORMED_STATUS = "malformed-status"
+    #: A table a peer fills was full: the oldest entry made room.
+    TABLE_FULL = "table-full"
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A message from a peer was refused. One line for the operator, which the shell
+    writes rate-limited per ``(peer, reason)`` (a peer can repeat it at will), and
+    a count in ``tspd_rejected_messages_total{reason}``. ``peer`` is the sending
+    session when the message names one, else ``"unknown"``."""
+
+    reason: RejectReason
+    peer: str
+    message: str
+    room: int | None = None
+    level: LogLevel = LogLevel.ERROR
+
+
 Command = (
-    SendFrames | CloseRoute | StartTransfer | FetchParallelInfo | FetchRankInfo | RoomFailed | Log
+    SendFrames
+    | CloseRoute
+    | StartTransfer
+    | FetchParallelInfo
+    | FetchRankInfo
+    | RoomFailed
+    | Log
+    | Rejected
 )
 
 

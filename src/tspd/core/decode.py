@@ -45,6 +45,8 @@ from tspd.core.commands import (
     FetchRankInfo,
     Log,
     LogLevel,
+    Rejected,
+    RejectReason,
     RemotePrefillDone,
     RoomFailed,
     SendFrames,
@@ -624,7 +626,9 @@ class DecodeCore:
         try:
             message = wire.decode_status(list(frames))
         except TspdError as err:
-            self._log(LogLevel.WARNING, str(err))
+            self._commands.append(
+                Rejected(RejectReason.MALFORMED_STATUS, "unknown", str(err), level=LogLevel.WARNING)
+            )
             return
         room = message.room
         state = self._rooms.state(room)

@@ -54,6 +54,8 @@ from tspd.core.commands import (
     Failed,
     Log,
     LogLevel,
+    Rejected,
+    RejectReason,
     RoomFailed,
     SendFrames,
     StartTransfer,
@@ -83,6 +85,7 @@ from tspd.core.trace import Mark, ReasonClass, RoomTrace, RoomTracer, Side, Trac
 __all__ = [
     "BOOTSTRAP_STALL_S",
     "FAILED_ROOM_MEMORY",
+    "MAX_UNCLAIMED_ROOMS",
     "REJECTED_SESSION_MEMORY",
     "ExtendRow",
     "PrefillConfig",
@@ -99,11 +102,18 @@ _STALL_LISTED = 8
 #: bootstrap timeout), so a Decode that pre-allocates one after it was forgotten
 #: hears ``Failed`` at once instead of waiting for its own timeout. ~100 bytes each.
 FAILED_ROOM_MEMORY: Final = 65_536
+#: Rooms no local request claims (pre-allocated by Decode, or failed by a message)
+#: are held this many at most, each for the bootstrap timeout; past it the oldest
+#: is dropped as at its TTL, so a flood of pre-allocations for made-up rooms cannot
+#: grow the tables without bound.
+MAX_UNCLAIMED_ROOMS: Final = 65_536
 #: Sessions whose registration was rejected are remembered this many at most (their
 #: reply route, to answer their pre-allocations ``Failed``), oldest dropped first.
 REJECTED_SESSION_MEMORY: Final = 1024
 
 _CONFLICT = "conflicting registration for an active CachePD session"
+#: The peer of a message that names no session (PULL sockets do not say who sent).
+_UNKNOWN_PEER: Final = "unknown"
 _UNREGISTERED = "CachePD request references an unregistered Decode session"
 _KIND = "CachePD request kind disagrees with its registration"
 _DUPLICATE = "duplicate CachePD pre-allocation for Decode session"
@@ -359,6 +369,11 @@ class PrefillCore:
     def _log(self, level: LogLevel, message: str, room: int | None = None) -> None:
         self._commands.append(Log(level, message, room))
 
+    def _reject(
+        self, reason: RejectReason, peer: str, message: str, room: int | None = None
+    ) -> None:
+        self._commands.append(Rejected(reason, peer, message, room))
+
     def _send(self, route: tuple[str, int], frames: Sequence[bytes], room: int) -> None:
         self._commands.append(SendFrames(route[0], route[1], tuple(frames), room))
 
@@ -453,7 +468,20 @@ class PrefillCore:
     def _touch(self, room: int, now: float) -> None:
         """The room gained state: start its unclaimed clock unless a request tracks it."""
         if room not in self._tracked:
-            self._per_room.unclaimed.setdefault(room, now)
+            unclaimed = self._per_room.unclaimed
+            unclaimed.setdefault(room, now)
+            if len(unclaimed) > MAX_UNCLAIMED_ROOMS:
+                oldest = unclaimed.pop_earliest()
+                if oldest is not None:
+                    self._reject(
+                        RejectReason.TABLE_FULL,
+                        _UNKNOWN_PEER,
+                        f"{MAX_UNCLAIMED_ROOMS} rooms are waiting for a request on this "
+                        f"rank: dropping the oldest, room {oldest} (a flood of pre-allocations "
+                        "for rooms no request claims?)",
+                        oldest,
+                    )
+                    self._drop_unclaimed(oldest, now)
 
     def _forget_room(self, room: int, mark: Mark, now: float) -> None:
         state = self._rooms.state(room)
@@ -552,7 +580,7 @@ class PrefillCore:
         try:
             registration = wire.is_registration(frames)
         except TspdError as err:
-            self._log(LogLevel.ERROR, str(err))
+            self._reject(RejectReason.MALFORMED_HEADER, _UNKNOWN_PEER, str(err))
             return
         if registration:
             self._handle_registration(frames, now)
@@ -594,11 +622,16 @@ class PrefillCore:
         try:
             route = wire.decode_registration_route(frames)
         except TspdError as err:
-            self._log(LogLevel.ERROR, f"Rejecting malformed CachePD Decode registration: {err}")
+            self._reject(
+                RejectReason.MALFORMED_REGISTRATION,
+                _UNKNOWN_PEER,
+                f"Rejecting malformed CachePD Decode registration: {err}",
+            )
             return
         session_id = route.session_id
-        self._log(
-            LogLevel.ERROR,
+        self._reject(
+            RejectReason.REGISTRATION_REFUSED,
+            session_id,
             f"rejecting CachePD Decode registration of session {session_id} "
             f"({route.endpoint}:{route.port}): {reason}",
         )
@@ -632,22 +665,28 @@ class PrefillCore:
         try:
             preallocation = wire.decode_preallocation(frames)
         except TspdError as err:
-            self._log(LogLevel.ERROR, f"rejecting a malformed CachePD pre-allocation: {err}")
+            self._reject(
+                RejectReason.MALFORMED_PREALLOCATION,
+                _UNKNOWN_PEER,
+                f"rejecting a malformed CachePD pre-allocation: {err}",
+            )
             return
         room, session_id = preallocation.room, preallocation.session_id
         try:
             self._accept_preallocation(preallocation, now)
         except TspdError as err:
-            self._log(
-                LogLevel.ERROR,
+            self._reject(
+                RejectReason.PREALLOCATION_REFUSED,
+                session_id,
                 f"rejecting CachePD pre-allocation of room {room} from session {session_id}: {err}",
                 room,
             )
             self._abort_room(room, f"invalid pre-allocation metadata: {err}", now)
             route = self._route_of(session_id)
             if route is None:
-                self._log(
-                    LogLevel.ERROR,
+                self._reject(
+                    RejectReason.PREALLOCATION_REFUSED,
+                    session_id,
                     f"cannot notify a malformed Decode peer: session {session_id} has no "
                     f"known route (room {room})",
                     room,
@@ -1195,6 +1234,18 @@ class PrefillCore:
                 deadline = session_deadline
         return deadline
 
+    def _drop_unclaimed(self, room: int, now: float) -> None:
+        """Forget a room no request claimed, telling each non-dummy destination of a
+        room that had not failed."""
+        if self._rooms.state(room) is not RoomState.FAILED:
+            for destination in self._per_room.destinations.get(room, ()):
+                if destination.manifest is None:
+                    continue
+                route = self._route_of(destination.session_id)
+                if route is not None:
+                    self._notify_failed(route, room)
+        self._forget_room(room, Mark.DROPPED, now)
+
     def handle_timeout(self, now: float) -> None:
         """Drop rooms no request claimed within the TTL (= bootstrap timeout), in
         ascending room order, telling each non-dummy destination of a room that had
@@ -1208,14 +1259,7 @@ class PrefillCore:
                 f"dropping rooms no request on this rank claimed within {ttl:g}s: {expired}",
             )
         for room in expired:
-            if self._rooms.state(room) is not RoomState.FAILED:
-                for destination in self._per_room.destinations.get(room, ()):
-                    if destination.manifest is None:
-                        continue
-                    route = self._route_of(destination.session_id)
-                    if route is not None:
-                        self._notify_failed(route, room)
-            self._forget_room(room, Mark.DROPPED, now)
+            self._drop_unclaimed(room, now)
         for session_id in [
             s
             for s, at in self._failed_sessions.items()

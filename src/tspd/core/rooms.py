@@ -216,6 +216,15 @@ class RoomClocks:
             heapq.heappop(heap)
         return None
 
+    def pop_earliest(self) -> int | None:
+        """Stop the clock that started first and return its room (``None`` if none)."""
+        if self.earliest() is None:
+            return None
+        _, room = heapq.heappop(self._heap)
+        del self._since[room]
+        self._compact()
+        return room
+
     def pop_expired(self, now: float, ttl: float) -> list[int]:
         """Stop and return every room whose clock has run ``ttl`` or longer at
         ``now`` (``now - start >= ttl``, the cores' own test), earliest start first."""

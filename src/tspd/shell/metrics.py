@@ -32,6 +32,7 @@ metric                                       kind      labels
 ``tspd_rooms_finished_total``                counter   side, rank, outcome
 ``tspd_room_failures_total``                 counter   side, rank, reason_class
 ``tspd_room_timeouts_total``                 counter   side, rank, phase
+``tspd_rejected_messages_total``             counter   side, rank, reason
 ``tspd_room_duration_seconds``               histogram side, rank, outcome
 ``tspd_room_phase_seconds``                  histogram side, rank, phase
 ``tspd_kv_transfer_latency_seconds``         histogram side, rank
@@ -64,6 +65,12 @@ metric                                       kind      labels
 ``tspd_kv_subscriber_pending_batches``       gauge     source
 ``tspd_bootstrap_rejected_requests_total``   counter   reason
 ============================================ ========= ==================================
+
+``tspd_rejected_messages_total`` counts the control and status messages a peer
+refused, by :class:`tspd.core.commands.RejectReason` (``malformed-header``,
+``registration-refused``, ``preallocation-refused``, ``malformed-status``...);
+the log lines about them are rate-limited per peer and reason
+(:class:`tspd.log.LogLimits`).
 
 ``tspd_bootstrap_rejected_requests_total`` counts the requests and connections a
 bootstrap server refused, by reason (``tspd.core.bootstrap.REFUSAL_REASONS``:
@@ -115,6 +122,7 @@ from tspd.core.commands import (
     Command,
     Event,
     Failed,
+    Rejected,
     RemotePrefillDone,
     RoomFailed,
     StartTransfer,
@@ -469,6 +477,13 @@ class TspdMetrics:
             [*_PEER, "reason_class"],
             registry=reg,
         )
+        self.rejected_messages = Counter(
+            "tspd_rejected_messages",
+            "Messages from peers that were refused (malformed, unregistered, conflicting), "
+            "by reason.",
+            [*_PEER, "reason"],
+            registry=reg,
+        )
         self.room_timeouts = Counter(
             "tspd_room_timeouts",
             "Rooms that failed by timing out, by the phase that timed out.",
@@ -553,6 +568,7 @@ class TspdMetrics:
             self.rooms_finished,
             self.room_failures,
             self.room_timeouts,
+            self.rejected_messages,
             self.room_duration,
             self.room_phase,
             self.transfer_latency,
@@ -664,10 +680,13 @@ class PeerMetrics:
         return child
 
     def observe_command(self, command: Command) -> None:
-        """Count a drained core command: a :class:`RoomFailed` (its class, and its
+        """Count a drained core command: a :class:`Rejected` (its reason), a
+        :class:`RoomFailed` (its class, and its
         phase for a timeout) or a :class:`StartTransfer`; others are ignored."""
         if isinstance(command, StartTransfer):
             self._chunks.inc()
+        elif isinstance(command, Rejected):
+            self._child(self.metrics.rejected_messages, "rejected", str(command.reason)).inc()
         elif isinstance(command, RoomFailed):
             metrics = self.metrics
             self._child(metrics.room_failures, "failure", str(command.reason_class)).inc()

@@ -37,7 +37,7 @@ from typing import Protocol, final
 
 from tspd.core.commands import Command, Event
 from tspd.core.trace import Outcome, RoomTrace, Side
-from tspd.log import component_logger, fields, log_command
+from tspd.log import LogLimits, component_logger, fields, log_command
 from tspd.shell.metrics import PeerMetrics, TspdMetrics
 
 __all__ = ["ObservedCore", "PeerObserver"]
@@ -78,6 +78,8 @@ class PeerObserver:
         )
         self.slow_after = slow_after
         self._context = {"side": str(self.side), "rank": rank}
+        #: What peers can make this rank log is rate-limited (tspd.log.LogLimits).
+        self.log_limits = LogLimits(self.log)
 
     def watch(
         self, core: ObservedCore, statistics: Callable[[], Mapping[str, int]] | None = None
@@ -103,7 +105,7 @@ class PeerObserver:
         to carry it out."""
         if self.metrics is not None:
             self.metrics.observe_command(command)
-        return log_command(self.log, command, **self._context)
+        return log_command(self.log, command, limits=self.log_limits, **self._context)
 
     def write(self, session_id: str, nbytes: int, seconds: float) -> None:
         """A transfer worker wrote ``nbytes`` to ``session_id`` in ``seconds``."""

@@ -34,6 +34,7 @@ from tspd.core.commands import (
     FetchParallelInfo,
     FetchRankInfo,
     Log,
+    Rejected,
     RoomFailed,
     SendFrames,
     StartTransfer,
@@ -171,7 +172,8 @@ class CorePair:
         self.dropped_ports: set[int] = set()
         #: When False, transfers queue until :meth:`run_transfers`.
         self.auto_transfer = True
-        self.logs: list[tuple[str, int, Log]] = []
+        #: Every Log and Rejected command (both have a ``message``).
+        self.logs: list[tuple[str, int, Log | Rejected]] = []
         self.failures: list[tuple[str, int, RoomFailed]] = []
         self.sent: list[tuple[str, int, SendFrames]] = []
         self.transfers: list[tuple[int, StartTransfer]] = []
@@ -259,7 +261,7 @@ class CorePair:
                 self.decode[rank].rank_info(addr, dp, target, answer, self.now)
             case RoomFailed():
                 self.failures.append((side, rank, command))
-            case Log():
+            case Log() | Rejected():
                 self.logs.append((side, rank, command))
 
     def _deliver(self, command: SendFrames) -> None:
