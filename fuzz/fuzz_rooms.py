@@ -31,10 +31,11 @@ import sys
 from typing import Final
 
 from tspd.core import wire
-from tspd.core.commands import Event
+from tspd.core.commands import Command, Event, SendFrames, StartTransfer
 from tspd.core.errors import TspdError
 from tspd.core.machines import RoomState
 from tspd.core.manifest import build_manifest
+from tspd.core.poll import TransferPoll
 from tspd.core.prefill import ExtendRow, PrefillConfig, PrefillCore
 from tspd.core.schedule import ProducerSchedule
 from tspd.testing.layouts import multi_layer_contract
@@ -130,6 +131,8 @@ class _Run:
         self.rids = 0
         self.seen: dict[int, RoomState] = {}
         self.events: list[Event] = []
+        #: Rooms of chunks handed to "workers" and not yet reported done.
+        self.pending: list[int] = []
 
     def check(self) -> None:
         core = self.core
@@ -141,7 +144,25 @@ class _Run:
             if before is RoomState.FAILED and state is not RoomState.ABSENT:
                 assert state is RoomState.FAILED, f"room {room} left Failed for {state}"
             self.seen[room] = state
-        core.drain_commands()
+        self.observe(core.drain_commands())
+
+    def observe(self, commands: list[Command]) -> None:
+        """Track chunks handed to workers, and check write fencing: no Failed status
+        goes to a Decode while a chunk of that room may still write."""
+        for command in commands:
+            if isinstance(command, StartTransfer):
+                self.pending.append(command.room)
+            elif isinstance(command, SendFrames) and not wire.is_registration(list(command.frames)):
+                status = wire.decode_status(list(command.frames))
+                if status.status is TransferPoll.FAILED:
+                    assert status.room not in self.pending, (
+                        f"Failed sent for room {status.room} while a write of it is in flight"
+                    )
+
+    def finish_chunk(self, index: int) -> None:
+        """The worker is done with pending chunk ``index``."""
+        room = self.pending.pop(index)
+        self.core.transfer_done(room, self.now)
 
 
 def _op_control_raw(run: _Run, reader: _Reader) -> None:
@@ -184,7 +205,9 @@ def _op_hand_over(run: _Run, reader: _Reader) -> None:
 
 
 def _op_worker(run: _Run, reader: _Reader) -> None:
-    room = reader.byte() % ROOMS
+    """A worker reports one pending chunk (or, with none pending, any room)."""
+    index = reader.byte() % len(run.pending) if run.pending else None
+    room = run.pending[index] if index is not None else reader.byte() % ROOMS
     choice = reader.byte() % 3
     if choice == 0:
         run.core.transfer_succeeded(room, run.now)
@@ -192,6 +215,9 @@ def _op_worker(run: _Run, reader: _Reader) -> None:
         run.core.transfer_failed(room, SESSIONS[reader.byte() % 2], "fuzz write error", run.now)
     else:
         run.core.transfer_failed(room, None, "fuzz worker error", run.now)
+    if index is not None:
+        run.observe(run.core.drain_commands())
+        run.finish_chunk(index)
 
 
 def _op_time(run: _Run, reader: _Reader) -> None:
@@ -253,6 +279,9 @@ def run_script(data: bytes) -> list[Event]:
     core = run.core
     values = core.poll_values(run.now)
     core.conclude([0] * len(values), run.now)
+    run.observe(core.drain_commands())
+    while run.pending:
+        run.finish_chunk(0)
     run.now += TTL + 4.0
     core.handle_timeout(run.now)
     core.drain_commands()

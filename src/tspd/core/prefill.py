@@ -335,6 +335,10 @@ class PrefillCore:
         self._failed_sessions: dict[str, float] = {}
         #: Failed rooms already forgotten -> when they were (oldest first).
         self._failed_rooms: dict[int, float] = {}
+        #: Rooms -> chunks handed to transfer workers and not yet reported back.
+        self._writing: dict[int, int] = {}
+        #: Rooms -> routes whose Failed notice waits for the room's writes to end.
+        self._deferred_notices: dict[int, list[tuple[str, int]]] = {}
         self._steps = StepReservation()
         self._commands: list[Command] = []
         self._stall_logged_at: float | None = None
@@ -461,6 +465,8 @@ class PrefillCore:
             "rejected": len(self._rejected),
             "failed_sessions": len(self._failed_sessions),
             "failed_room_memory": len(self._failed_rooms),
+            "writing_rooms": len(self._writing),
+            "deferred_notices": len(self._deferred_notices),
         }
 
     # ------------------------------------------------------------------ room helpers
@@ -546,6 +552,10 @@ class PrefillCore:
                     f"{destination.session_id} is not registered",
                     room,
                 )
+            elif room in self._writing:
+                # Write fencing: Failed goes out once no write of the room is in
+                # flight (transfer_done), so the Decode may then reuse the pages.
+                self._deferred_notices.setdefault(room, []).append(route)
             else:
                 self._notify_failed(route, room)
 
@@ -704,8 +714,11 @@ class PrefillCore:
             state is RoomState.ABSENT and self._recently_failed(room, now)
         ):
             # Not an error: the room failed earlier (and may have been forgotten
-            # since); this destination hears it now.
-            self._notify_failed(registered.route, room)
+            # since); this destination hears it now, or once the room's writes ended.
+            if room in self._writing:
+                self._deferred_notices.setdefault(room, []).append(registered.route)
+            else:
+                self._notify_failed(registered.route, room)
             return
         manifest = preallocation.manifest()
         if (manifest is None) != registered.planned.is_dummy:
@@ -1041,6 +1054,7 @@ class PrefillCore:
         )
         descriptors = sum(len(w.plan) for i in chunk.intervals for w in i.writes)
         self._trace.transfer(room, chunk.total_bytes, descriptors, now)
+        self._writing[room] = self._writing.get(room, 0) + 1
         self._commands.append(chunk)
 
     def arm_layerwise(self, rows: Sequence[ExtendRow], now: float) -> int | None:
@@ -1156,6 +1170,21 @@ class PrefillCore:
         self._rooms.fire(room, PrefillTrigger.TRANSFER_SUCCEEDED)
         self._per_room.destinations.pop(room, None)
         self._trace.mark(room, Mark.NOTIFIED, now)
+
+    def transfer_done(self, room: int, now: float) -> None:
+        """A worker is done with one of the room's chunks -- written, failed or
+        stopped -- and has no write of it in flight. Call it after
+        :meth:`transfer_succeeded` / :meth:`transfer_failed` for every
+        :class:`StartTransfer` (non-final chunks too). When the room's last chunk is
+        done, the ``Failed`` notices held back for it go out (write fencing: a
+        Decode that hears ``Failed`` from this rank may reuse the room's pages)."""
+        left = self._writing.get(room, 0) - 1
+        if left > 0:
+            self._writing[room] = left
+            return
+        self._writing.pop(room, None)
+        for route in self._deferred_notices.pop(room, ()):
+            self._notify_failed(route, room)
 
     def transfer_failed(self, room: int, session_id: str | None, error: str, now: float) -> None:
         """A chunk failed. ``session_id`` set: a write to that session failed (it is

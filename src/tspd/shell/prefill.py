@@ -231,13 +231,17 @@ class PrefillPeer:
 
     def chunk_succeeded(self, chunk: StartTransfer) -> None:
         """A worker wrote every interval of ``chunk`` (only a final chunk reports)."""
+        now = trio.current_time()
         if chunk.final:
-            self.core.transfer_succeeded(chunk.room, trio.current_time())
-            self._pump(activity=True)
+            self.core.transfer_succeeded(chunk.room, now)
+        self.core.transfer_done(chunk.room, now)
+        self._pump(activity=chunk.final)
 
     def chunk_failed(self, chunk: StartTransfer, session_id: str | None, reason: str) -> None:
         """A worker stopped ``chunk``; the core fails the room (first failure wins)."""
-        self.core.transfer_failed(chunk.room, session_id, reason, trio.current_time())
+        now = trio.current_time()
+        self.core.transfer_failed(chunk.room, session_id, reason, now)
+        self.core.transfer_done(chunk.room, now)
         self._pump(activity=True)
 
     def wait_should_stop(self, chunk: StartTransfer) -> str | None:

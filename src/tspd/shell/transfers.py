@@ -306,10 +306,30 @@ class TransferWorkers:
                 items = [(index, plan) for index, plan in entries if index not in failed]
                 if not items:
                     continue
+                rooms = [live[index] for index, _ in items]
                 try:
-                    await self._write(session, CopyPlan.concat([plan for _, plan in items]))
+                    shared = await self._write(
+                        session,
+                        CopyPlan.concat([plan for _, plan in items]),
+                        self._all_active(rooms),
+                    )
+                    if not shared:
+                        # A room ended between two shared calls: the others write
+                        # their own copies again (same bytes, same places), so no
+                        # call carries the ended room's copies.
+                        for index, plan in items:
+                            chunk = live[index]
+                            if not await self._write(session, plan, self._all_active([chunk])):
+                                failed.add(index)
+                                self._feedback.chunk_failed(
+                                    chunk,
+                                    None,
+                                    f"room {chunk.room} ended before its transfer finished",
+                                )
                 except TransferError as exc:
                     for index, _ in items:
+                        if index in failed:
+                            continue
                         failed.add(index)
                         self.stats.failed_chunks += 1
                         self._feedback.chunk_failed(live[index], session, str(exc))
@@ -322,11 +342,20 @@ class TransferWorkers:
                 self.stats.failed_chunks += 1
                 self._feedback.chunk_failed(chunk, None, f"{type(exc).__name__}: {exc}")
 
-    async def _write(self, session: str, plan: CopyPlan) -> None:
-        """Write ``plan`` to ``session`` in engine calls of at most ``max_descriptors``;
-        a write that moved bytes is reported to ``on_write``."""
+    def _all_active(self, chunks: list[StartTransfer]) -> Callable[[], bool]:
+        """A check that every one of ``chunks``' rooms may still be written."""
+        active = self._feedback.room_active
+        return lambda: all(active(chunk) for chunk in chunks)
+
+    async def _write(self, session: str, plan: CopyPlan, active: Callable[[], bool]) -> bool:
+        """Write ``plan`` to ``session`` in engine calls of at most ``max_descriptors``,
+        checking ``active()`` before each call (write fencing: no call starts once the
+        room ended); ``False`` if it stopped there. A write that moved bytes is
+        reported to ``on_write``."""
         started, written = trio.current_time(), 0
         for batch in batches(plan, self._max_descriptors):
+            if not active():
+                return False
             await self._engine.batch_write(session, batch.src, batch.dst, batch.length)
             self.stats.engine_calls += 1
             self.stats.descriptors += len(batch)
@@ -334,6 +363,7 @@ class TransferWorkers:
             written += batch.total_bytes
         if written and self._on_write is not None:
             self._on_write(session, written, trio.current_time() - started)
+        return True
 
     async def _wait_step(
         self, chunk: StartTransfer, target: int, read: Callable[[], int]
@@ -368,16 +398,18 @@ class TransferWorkers:
                     self._feedback.chunk_failed(chunk, None, stop)
                     return
             for write in interval.writes:
-                if not self._feedback.room_active(chunk):
+                try:
+                    written = await self._write(
+                        write.session_id, write.plan, self._all_active([chunk])
+                    )
+                except TransferError as exc:
+                    self.stats.failed_chunks += 1
+                    self._feedback.chunk_failed(chunk, write.session_id, str(exc))
+                    return
+                if not written:
                     # The room ended meanwhile: no page is written after its end.
                     self._feedback.chunk_failed(
                         chunk, None, f"room {chunk.room} ended before its transfer finished"
                     )
-                    return
-                try:
-                    await self._write(write.session_id, write.plan)
-                except TransferError as exc:
-                    self.stats.failed_chunks += 1
-                    self._feedback.chunk_failed(chunk, write.session_id, str(exc))
                     return
         self._feedback.chunk_succeeded(chunk)

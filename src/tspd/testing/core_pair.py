@@ -288,6 +288,7 @@ class CorePair:
                 job = queue[0]
                 if not self._advance_job(job):
                     break
+                self.prefill[job.rank].transfer_done(job.command.room, self.now)
                 queue.popleft()
                 progressed = True
         return progressed
