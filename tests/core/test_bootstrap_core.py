@@ -1,4 +1,5 @@
-"""The sans-IO bootstrap server state and its client payloads (spec §2)."""
+"""The sans-IO bootstrap server state and its client payloads
+(docs/protocol.md#proto-bootstrap)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The bootstrap HTTP server and client over real HTTP on 127.0.0.1 (spec §2)."""
+"""The bootstrap HTTP server and client over real HTTP on 127.0.0.1
+(docs/protocol.md#proto-bootstrap)."""
 
 from __future__ import annotations
 

@@ -94,7 +94,8 @@ async def _send(stub: DecodeStub, frames: list[bytes]) -> None:
 
 
 def _bad_preallocation(room: int, session: str) -> list[bytes]:
-    """Fails the room and answers ``Failed`` on the session's route (§7.9.5)."""
+    """Fails the room and answers ``Failed`` on the session's route
+    (docs/protocol.md#proto-preallocation-checks)."""
     return [str(room).encode(), session.encode(), b"{not a manifest"]
 
 
@@ -228,7 +229,8 @@ async def test_a_replaced_registration_closes_its_old_socket_after_the_notice(
             await _send(stub, _bad_preallocation(8, sid))  # opens the socket to the stub
             assert (await stub.next_status()).room == 8
             assert peer._pushes.holds("127.0.0.1", stub.port)
-            # Same session, another status port: conflicting, so rejected (§7.9.4).
+            # Same session, another status port: conflicting, so rejected
+            # (docs/protocol.md#proto-registration-handling).
             await stub.register(port=stub.port + 1 if stub.port < 65535 else stub.port - 1)
             notice = await stub.next_status()  # room 9's notice still arrives
             assert (notice.room, notice.status) == (9, TransferPoll.FAILED)

@@ -15,6 +15,10 @@ same run, straight through Mooncake and pyzmq with no tspd code in between:
   contiguously and scattered (bytes / hand-over → completion); beside them, one
   64 MiB write and the same bytes as 16,384 separate descriptors.
 
+With ``--secure`` the rooms/s and hand-over runs are repeated in tspd's secure mode
+(CURVE on every socket, the bootstrap server over TLS with a token;
+docs/security.md) and printed beside the plain figures, with the difference.
+
 Nothing here asserts a speed; the figures depend on the machine (on a 2-core VM
 every Mooncake write busy-spins a core, so the processes compete for CPU).
 
@@ -63,6 +67,9 @@ class PdFigures:
     big_write: MooncakeLimit
     big_scattered_write: MooncakeLimit
     zmq: ZmqLimit
+    #: The rooms/s and hand-over runs in secure mode (``--secure``), else ``None``.
+    secure_throughput: DemoSummary | None = None
+    secure_latency: DemoSummary | None = None
 
 
 def _contract_file(directory: str, pages: int) -> str:
@@ -71,7 +78,9 @@ def _contract_file(directory: str, pages: int) -> str:
     return str(path)
 
 
-async def _demo(workload: Workload, *, in_flight: int, scatter: bool = False) -> DemoSummary:
+async def _demo(
+    workload: Workload, *, in_flight: int, scatter: bool = False, secure: bool = False
+) -> DemoSummary:
     summary = await run_demo(
         DemoOptions(
             workload=workload,
@@ -82,6 +91,7 @@ async def _demo(workload: Workload, *, in_flight: int, scatter: bool = False) ->
             timeout=600,
             prefill_args=_HOLD,
             decode_args=_HOLD,
+            secure=secure,
         )
     )
     if summary.errors:
@@ -89,8 +99,9 @@ async def _demo(workload: Workload, *, in_flight: int, scatter: bool = False) ->
     return summary
 
 
-async def run_pd_bench(*, quick: bool = False) -> PdFigures:
-    """Run every measurement (``quick``: far fewer rooms, for smoke tests)."""
+async def run_pd_bench(*, quick: bool = False, secure: bool = False) -> PdFigures:
+    """Run every measurement (``quick``: far fewer rooms, for smoke tests; ``secure``:
+    the rooms/s and hand-over runs in secure mode too)."""
     small_rooms = 300 if quick else 4000
     latency_rooms = 40 if quick else 400
     big_rooms = 1 if quick else 3
@@ -106,6 +117,22 @@ async def run_pd_bench(*, quick: bool = False) -> PdFigures:
             Workload(rooms=range(1, 1 + latency_rooms), contract_file=small, fixed_prompt_pages=1),
             in_flight=1,
         )
+        secure_throughput = secure_latency = None
+        if secure:
+            secure_throughput = await _demo(
+                Workload(
+                    rooms=range(1, 1 + small_rooms), contract_file=small, fixed_prompt_pages=1
+                ),
+                in_flight=in_flight,
+                secure=True,
+            )
+            secure_latency = await _demo(
+                Workload(
+                    rooms=range(1, 1 + latency_rooms), contract_file=small, fixed_prompt_pages=1
+                ),
+                in_flight=1,
+                secure=True,
+            )
         contiguous = await _demo(
             Workload(
                 rooms=range(1, 1 + big_rooms), contract_file=big, fixed_prompt_pages=BIG_PAGES
@@ -139,6 +166,8 @@ async def run_pd_bench(*, quick: bool = False) -> PdFigures:
         big_write=big_write,
         big_scattered_write=big_scattered_write,
         zmq=zmq_rtt,
+        secure_throughput=secure_throughput,
+        secure_latency=secure_latency,
     )
 
 
@@ -164,6 +193,7 @@ def rows(figures: PdFigures) -> list[tuple[str, str, str]]:
     rtt = f"ZMQ round trip p50 {_us(f.zmq.p50)}"
     write = f"bare 4 KiB write p50 {_us(f.small_write.p50)} / p99 {_us(f.small_write.p99)}"
     return [
+        *_secure_rows(f),
         (
             f"rooms/s, 1 × 4 KiB page, {f.in_flight} in flight",
             f"{f.throughput.rooms_per_s:,.0f}{_ok(f.throughput)}",
@@ -195,13 +225,48 @@ def rows(figures: PdFigures) -> list[tuple[str, str, str]]:
     ]
 
 
+def _change(secure: float, plain: float) -> str:
+    if not plain or math.isnan(plain) or math.isnan(secure):
+        return "n/a"
+    return f"{(secure - plain) / plain * 100:+.1f} %"
+
+
+def _secure_rows(f: PdFigures) -> list[tuple[str, str, str]]:
+    """The secure-mode rows (first, when measured): secure figure, plain beside it."""
+    if f.secure_throughput is None or f.secure_latency is None:
+        return []
+    plain_rate, secure_rate = f.throughput.rooms_per_s, f.secure_throughput.rooms_per_s
+    plain_p50 = percentile(f.latency.handover_latencies, 0.5)
+    secure_p50 = percentile(f.secure_latency.handover_latencies, 0.5)
+    secure_p99 = percentile(f.secure_latency.handover_latencies, 0.99)
+    return [
+        (
+            f"secure mode: rooms/s, 1 × 4 KiB page, {f.in_flight} in flight",
+            f"{secure_rate:,.0f}{_ok(f.secure_throughput)}",
+            f"plain {plain_rate:,.0f} ({_change(secure_rate, plain_rate)})",
+        ),
+        (
+            "secure mode: hand-over → Decode done, 1 in flight, p50 / p99",
+            f"{_us(secure_p50)} / {_us(secure_p99)}{_ok(f.secure_latency)}",
+            f"plain {_us(plain_p50)} / {_us(percentile(f.latency.handover_latencies, 0.99))} "
+            f"(p50 {_change(secure_p50, plain_p50)})",
+        ),
+    ]
+
+
 @click.command()
 @click.option("--quick", is_flag=True, help="Far fewer rooms (a smoke run, noisy figures).")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def pd(quick: bool, as_json: bool) -> None:
+@click.option(
+    "--secure",
+    is_flag=True,
+    help="Also run rooms/s and hand-over latency in secure mode (CURVE, TLS, token), "
+    "beside plain mode.",
+)
+def pd(quick: bool, as_json: bool, secure: bool) -> None:
     """PD rooms/s, latency and GB/s on real processes, beside bare Mooncake and ZMQ."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    figures = trio.run(partial(run_pd_bench, quick=quick))
+    figures = trio.run(partial(run_pd_bench, quick=quick, secure=secure))
     table_rows = rows(figures)
     if as_json:
         out: dict[str, Any] = {name: {"tspd": value, "raw": raw} for name, value, raw in table_rows}

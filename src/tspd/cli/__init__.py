@@ -20,6 +20,8 @@ _COMMANDS: dict[str, str] = {
     "demo": "tspd.cli.demo:demo",
     "bootstrap-server": "tspd.cli.demo:bootstrap_server",
     "trace": "tspd.cli.trace:trace",
+    "keys": "tspd.cli.keys:keys",
+    "sim": "tspd.cli.sim:sim",
 }
 
 

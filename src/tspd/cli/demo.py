@@ -7,13 +7,17 @@ byte on the Decode side and prints a summary. It exits non-zero if any room
 failed or any byte differed.
 
 Each role also runs alone, so either side can face a peer of another
-implementation (the bytes follow the spec §15 interop pattern):
+implementation (the bytes follow the interop pattern of docs/protocol.md#proto-interop):
 
     tspd bootstrap-server --port 8998
     tspd demo prefill --rank 0 --tp 1 --bootstrap 127.0.0.1:8998 --rooms 1000:1100
     tspd demo decode  --rank 0 --tp 1 --bootstrap 127.0.0.1:8998 --rooms 1000:1100
 
 Roles print their endpoints and progress as JSON lines on stdout.
+
+``tspd demo --secure`` runs every process in tspd's secure mode (docs/security.md)
+with throwaway keys and certificates; the roles and the bootstrap server read the
+``TSPD_*`` secure-mode variables, so each can run secured alone too.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from tspd.demo.workload import (
     parse_rooms,
 )
 from tspd.log import configure_logging
+from tspd.shell.security import SecurityConfig
 
 __all__ = ["bootstrap_server", "demo"]
 
@@ -80,7 +85,10 @@ def _workload_options(fn: F) -> F:
             help="Rooms A:B (A..B-1), served in order.",
         ),
         click.option(
-            "--seed", default=0, show_default=True, help="Interop pattern seed (spec §15)."
+            "--seed",
+            default=0,
+            show_default=True,
+            help="Interop pattern seed (docs/protocol.md#proto-interop).",
         ),
         click.option(
             "--spec-candidates",
@@ -168,6 +176,16 @@ def _tunables(kw: dict[str, Any], **explicit: Any) -> DemoTunables:
         raise click.UsageError(str(err)) from None
 
 
+def _security() -> SecurityConfig | None:
+    """Secure mode from tspd's variables (``None`` when none is set); a bad value is a
+    usage error that names it."""
+    try:
+        security = SecurityConfig.from_env(os.environ)
+    except TspdError as err:
+        raise click.UsageError(str(err)) from None
+    return security if security.enabled else None
+
+
 def _logging(verbose: bool) -> None:
     configure_logging(logging.INFO if verbose else logging.WARNING, stream=sys.stderr)
 
@@ -185,6 +203,12 @@ def _logging(verbose: bool) -> None:
     "after them (0: free ports). The addresses are printed as the ranks start.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option(
+    "--secure",
+    is_flag=True,
+    help="Secure mode: CURVE on every socket, the bootstrap server over TLS with a token "
+    "(throwaway keys and certificates in a temporary directory; docs/security.md).",
+)
 @click.pass_context
 def demo(
     ctx: click.Context,
@@ -194,6 +218,7 @@ def demo(
     timeout: float,
     metrics_port: int | None,
     as_json: bool,
+    secure: bool,
     **kw: Any,
 ) -> None:
     """Run a bootstrap server, a Prefill group and a Decode group on this host and
@@ -214,6 +239,7 @@ def demo(
         bootstrap_timeout=tuned.bootstrap_timeout,
         waiting_timeout=tuned.waiting_timeout,
         metrics_port=metrics_port,
+        secure=secure,
     )
     summary = _run_with_progress(options, quiet=as_json)
     if as_json:
@@ -285,6 +311,7 @@ def _print_summary(options: DemoOptions, summary: DemoSummary) -> None:
             f"tspd demo: Prefill TP{options.prefill_tp} → Decode TP{options.decode_tp}, "
             f"{'layerwise' if options.layerwise else 'full'} transfers, "
             f"Mooncake TCP on {escape(options.host)}"
+            + (", secure mode (CURVE, TLS, token)" if options.secure else "")
         )
     )
     table.add_column("figure")
@@ -302,7 +329,7 @@ def _print_summary(options: DemoOptions, summary: DemoSummary) -> None:
         table.add_row(f"CPU per room, {escape(role)}", _ms(summary.cpu_per_room(role)))
     table.caption = (
         "The demo's ranks also generate (Prefill) and check (Decode) every KV byte with "
-        "the SHAKE-256 pattern of spec §15; its CPU and latency figures include that. "
+        "the SHAKE-256 interop pattern; its CPU and latency figures include that. "
         "CPU per room is the process CPU of all of a side's ranks (engine threads "
         "included) over the rooms. Hand-over → done also counts the Decode rank "
         "checking the rooms that finished ahead of it in the same poll, and all ranks "
@@ -372,12 +399,18 @@ def _role_command(role: str) -> click.Command:
         is_flag=True,
         help="Write the per-room report lines at the end, not as rooms go (benchmarks).",
     )
+    @click.option(
+        "--agree-keys",
+        default="",
+        help="Secure mode: comma-separated CURVE public keys (Z85) of every rank in --agree.",
+    )
     @click.option("-v", "--verbose", is_flag=True, help="Log at INFO on stderr.")
     def command(
         rank: int,
         tp: int,
         bootstrap: str,
         agree: str,
+        agree_keys: str,
         workers: int | None,
         heartbeat_interval: float | None,
         never_preallocate: bool,
@@ -406,6 +439,8 @@ def _role_command(role: str) -> click.Command:
             heartbeat_max_failures=tuned.heartbeat_max_failures,
             never_preallocate=never_preallocate,
             metrics_port=metrics_port,
+            security=_security(),
+            agree_keys=tuple(k for k in agree_keys.split(",") if k),
         )
         reporter = Reporter(role, rank, hold=hold_reports)
         try:
@@ -428,13 +463,19 @@ demo.add_command(_role_command("decode"))
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8998, show_default=True)
 def bootstrap_server(host: str, port: int) -> None:
-    """Serve the bootstrap rendezvous (spec §2) until interrupted."""
+    """Serve the bootstrap rendezvous (docs/protocol.md#proto-bootstrap) until interrupted.
+
+    Secure mode from ``TSPD_TLS_CERT_FILE``/``TSPD_TLS_KEY_FILE`` (HTTPS only),
+    ``TSPD_BOOTSTRAP_TOKEN_FILE`` and ``TSPD_BOOTSTRAP_PROTECT_GET``
+    (docs/security.md)."""
     from tspd.shell.bootstrap import open_bootstrap_server
 
+    security = _security()
+
     async def serve() -> None:
-        async with open_bootstrap_server(host, port) as server:
-            Reporter("bootstrap", 0).emit("ready", address=server.address)
-            click.echo(f"bootstrap server listening on http://{server.address}", err=True)
+        async with open_bootstrap_server(host, port, security=security) as server:
+            Reporter("bootstrap", 0).emit("ready", address=server.address, url=server.url)
+            click.echo(f"bootstrap server listening on {server.url}", err=True)
             await trio.sleep_forever()
 
     _logging(False)

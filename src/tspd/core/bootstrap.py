@@ -1,12 +1,13 @@
-"""The bootstrap server's state and the payloads its clients send and read (spec §2).
+"""The bootstrap server's state and the payloads its clients send and read.
 
-The bootstrap server is the HTTP rendezvous of one Prefill instance: each Prefill
-rank ``PUT``\\ s its control endpoint and cache contract to ``/route``; Decode ranks
-``GET`` the instance's parallel info and each target rank's endpoint. This module is
-the sans-IO part: :class:`BootstrapState` turns a request (method, query, body) into
-an :class:`HttpReply`; the HTTP stack in :mod:`tspd.shell.bootstrap` only carries
-bytes. The client half builds the ``PUT`` body of a Prefill rank and parses the two
-``GET`` replies, raising :class:`WireError` for a reply that cannot be used.
+The bootstrap server (docs/protocol.md#proto-bootstrap) is the HTTP rendezvous of one
+Prefill instance: each Prefill rank ``PUT``\\ s its control endpoint and cache contract
+to ``/route``; Decode ranks ``GET`` the instance's parallel info and each target rank's
+endpoint. This module is the sans-IO part: :class:`BootstrapState` turns a request
+(method, query, body) into an :class:`HttpReply`; the HTTP stack in
+:mod:`tspd.shell.bootstrap` only carries bytes. The client half builds the ``PUT`` body
+of a Prefill rank and parses the two ``GET`` replies, raising :class:`WireError` for a
+reply that cannot be used.
 
 Readiness (a tspd decision, beyond S1): until every one of the instance's
 ``world_size`` Prefill ranks has registered, both ``GET /route`` forms answer
@@ -57,6 +58,7 @@ from tspd.core.topology import MAX_CACHE_TP_SIZE
 
 __all__ = [
     "BAD_LAYOUT",
+    "CURVE_KEY_FIELD",
     "INCOMPATIBLE_LAYOUTS",
     "LAYOUT_NOT_STRING",
     "MAX_HOST_CHARS",
@@ -71,6 +73,7 @@ __all__ = [
     "RankInfo",
     "build_route_payload",
     "encode_route_payload",
+    "is_curve_key",
     "is_valid_host",
     "parse_parallel_info",
     "parse_rank_info",
@@ -97,9 +100,21 @@ MAX_ROLE_CHARS: Final = 64
 """Longest ``role`` string."""
 _MAX_QUERY_CHARS: Final = 20
 
+CURVE_KEY_FIELD: Final = "curve_public_key"
+"""The ``PUT /route`` field, and the rank-info reply field, that carries a secure-mode
+Prefill rank's CURVE public key (Z85, 40 characters; docs/security.md). A plain rank
+sends none, and its reply is then exactly TokenSpeed's."""
+
+#: Z85's alphabet (ZeroMQ RFC 32).
+_Z85: Final = frozenset(
+    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+)
+
 #: Why a request was refused: the ``reason`` of a refusing :class:`HttpReply` (the
-#: first eight), of the HTTP layer (the next four) or ``"other"`` (a refusal without
-#: a known reason, e.g. from a subclass): a bounded label set for logs and metrics.
+#: first eight), of the HTTP layer (the next four), of a secure server (the next
+#: three: no or a wrong token, a route held by a live rank of another identity, plain
+#: HTTP to a TLS server) or ``"other"`` (a refusal without a known reason, e.g. from
+#: a subclass): a bounded label set for logs and metrics.
 REFUSAL_REASONS: Final = (
     "bad_body",
     "bad_field",
@@ -113,6 +128,9 @@ REFUSAL_REASONS: Final = (
     "request_timeout",
     "connection_limit",
     "server_error",
+    "unauthorized",
+    "identity_conflict",
+    "tls_required",
     "other",
 )
 
@@ -197,16 +215,24 @@ def is_valid_host(host: str) -> bool:
     return all(_LABEL.match(label) for label in labels) and not labels[-1].isdigit()
 
 
+def is_curve_key(value: object) -> TypeGuard[str]:
+    """Whether ``value`` is a CURVE public key in Z85 text (40 characters)."""
+    return isinstance(value, str) and len(value) == 40 and _Z85.issuperset(value)
+
+
 @dataclass(frozen=True, slots=True)
 class _Registration:
-    """One Prefill rank's endpoint in the port table."""
+    """One Prefill rank's endpoint in the port table, with its CURVE public key when
+    the rank runs in secure mode."""
 
     rank_ip: str
     rank_port: int
+    curve_key: str | None = None
 
 
 class BootstrapState:
-    """What one bootstrap server knows (spec §2.2–§2.3), fed request by request.
+    """What one bootstrap server knows, fed request by request
+    (docs/protocol.md#proto-bootstrap-put, docs/protocol.md#proto-parallel-info).
 
     ``compat=True`` parses contracts with the S3 group-spec extras accepted
     (``replayable``, ``shard_count``). S3 peers' ``cache_fields_by_stage`` and
@@ -227,7 +253,7 @@ class BootstrapState:
     # -- dispatch --------------------------------------------------------------
 
     def handle(self, method: str, path: str, query: Mapping[str, str], body: bytes) -> HttpReply:
-        """Answer one request (spec §2.1)."""
+        """Answer one request (docs/protocol.md#proto-bootstrap-routes)."""
         if path == "/health":
             if method in ("GET", "HEAD"):
                 return HttpReply.ok()
@@ -248,8 +274,9 @@ class BootstrapState:
     # -- PUT -------------------------------------------------------------------
 
     def put_route(self, body: bytes) -> HttpReply:
-        """Register one rank (§2.2, in the specification's order). A refused ``PUT``
-        (``400`` or ``409``, see the module docstring) leaves the state unchanged."""
+        """Register one rank (docs/protocol.md#proto-bootstrap-put, in the reference's
+        order). A refused ``PUT`` (``400`` or ``409``, see the module docstring) leaves
+        the state unchanged."""
         try:
             payload = json.loads(body)
         except (ValueError, UnicodeDecodeError, RecursionError):
@@ -301,11 +328,18 @@ class BootstrapState:
                     "name or an IPv4/IPv6 address Decode ranks can reach and rank_port in "
                     "1..65535",
                 )
+            curve_key = payload.get(CURVE_KEY_FIELD)
+            if curve_key is not None and not is_curve_key(curve_key):
+                raise _bad(
+                    "bad_field",
+                    f"bootstrap PUT field {CURVE_KEY_FIELD!r} must be a CURVE public key in "
+                    f"Z85 (40 characters), got {_shown(curve_key)}",
+                )
             tp_per_dp = world_size // dp_size
             registration = (
                 engine_rank // tp_per_dp,
                 engine_rank % tp_per_dp,
-                _Registration(rank_ip, rank_port),
+                _Registration(rank_ip, rank_port, curve_key),
             )
         # Every check passed: commit.
         self.cache_layout = layout
@@ -370,7 +404,7 @@ class BootstrapState:
         return None
 
     def parallel_info(self) -> dict[str, Any]:
-        """The parallel-info object (§2.3) as stored now."""
+        """The parallel-info object (docs/protocol.md#proto-parallel-info) as stored now."""
         info: dict[str, Any] = {
             "prefill_tp_size": self.world_size,
             "prefill_dp_size": self.dp_size,
@@ -382,7 +416,8 @@ class BootstrapState:
         return info
 
     def get_route(self, query: Mapping[str, str]) -> HttpReply:
-        """Answer ``GET /route`` (§2.1, plus the readiness rule of this module)."""
+        """Answer ``GET /route`` (docs/protocol.md#proto-bootstrap-routes, plus the
+        readiness rule of this module)."""
         engine_rank_text = query.get("engine_rank", "")
         dp_group_text = query.get("target_dp_group", "")
         if not engine_rank_text or not dp_group_text:
@@ -409,7 +444,35 @@ class BootstrapState:
                 _TEXT,
                 "unknown_rank",
             )
-        return HttpReply.json({"rank_ip": entry.rank_ip, "rank_port": entry.rank_port})
+        reply: dict[str, Any] = {"rank_ip": entry.rank_ip, "rank_port": entry.rank_port}
+        if entry.curve_key is not None:
+            reply[CURVE_KEY_FIELD] = entry.curve_key
+        return HttpReply.json(reply)
+
+    def identity_conflict(self, body: bytes) -> tuple[str, int, str | None] | None:
+        """The registration a Prefill rank's ``PUT`` would replace when it is held by
+        another identity (another CURVE public key, or a key where the ``PUT`` has
+        none, or none where it has one): ``(rank_ip, rank_port, curve_key)`` of the
+        holder, else ``None`` (also for a body :meth:`put_route` would refuse
+        anyway). A secure server replaces such a route only once its holder is no
+        longer live (docs/security.md)."""
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return None
+        if not isinstance(payload, dict) or payload.get("role") != "Prefill":
+            return None
+        world_size, dp_size = payload.get("world_size"), payload.get("dp_size")
+        engine_rank = payload.get("engine_rank")
+        if not (_is_int(world_size) and _is_int(dp_size) and _is_int(engine_rank)):
+            return None
+        if not (0 < dp_size <= world_size and world_size % dp_size == 0):
+            return None
+        tp_per_dp = world_size // dp_size
+        held = self._table.get(engine_rank // tp_per_dp, {}).get(engine_rank % tp_per_dp)
+        if held is None or held.curve_key == payload.get(CURVE_KEY_FIELD):
+            return None
+        return held.rank_ip, held.rank_port, held.curve_key
 
 
 def _query_int(text: str) -> int | None:
@@ -486,8 +549,8 @@ def build_route_payload(
     pp_size: int | None = None,
     cache_fields_by_stage: Sequence[Sequence[str]] | None = None,
 ) -> dict[str, Any]:
-    """The ``PUT /route`` body of one Prefill rank (§2.2). The S3 keys are added
-    only when ``cache_fields_by_stage`` is given."""
+    """The ``PUT /route`` body of one Prefill rank (docs/protocol.md#proto-bootstrap-put).
+    The S3 keys are added only when ``cache_fields_by_stage`` is given."""
     layout = cache_layout.decode("ascii") if isinstance(cache_layout, bytes) else cache_layout
     payload: dict[str, Any] = {
         "role": role,
@@ -522,7 +585,8 @@ def parse_route_payload(body: bytes) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class ParallelInfo:
-    """A Prefill instance's parallel info as Decode uses it (§2.3)."""
+    """A Prefill instance's parallel info as Decode uses it
+    (docs/protocol.md#proto-parallel-info)."""
 
     tp_size: int
     dp_size: int
@@ -538,10 +602,12 @@ class ParallelInfo:
 
 @dataclass(frozen=True, slots=True)
 class RankInfo:
-    """One Prefill rank's control endpoint."""
+    """One Prefill rank's control endpoint, and its CURVE public key (Z85) when it
+    runs in secure mode (``None``: a plain rank)."""
 
     rank_ip: str
     rank_port: int
+    curve_key: str | None = None
 
     @property
     def endpoint(self) -> str:
@@ -604,7 +670,9 @@ def parse_parallel_info(body: bytes | str) -> ParallelInfo:
 def parse_rank_info(body: bytes | str) -> RankInfo:
     """Decode a rank-info reply ``{"rank_ip": str, "rank_port": int}``: ``rank_ip``
     must pass :func:`is_valid_host` and ``rank_port`` be in ``1..65535`` (a server
-    that checks nothing may hand out ``"*"``, which a socket library refuses)."""
+    that checks nothing may hand out ``"*"``, which a socket library refuses). A
+    secure-mode rank's reply also has :data:`CURVE_KEY_FIELD`, which must then be a
+    CURVE public key."""
     obj = _reply_object(body, "rank-info")
     ip: object = obj.get("rank_ip")
     port: object = obj.get("rank_port")
@@ -619,4 +687,10 @@ def parse_rank_info(body: bytes | str) -> RankInfo:
             f"rank_port={_shown(port)}): the Prefill rank registered an address that is not a "
             "host name or IP address, or the server is not a bootstrap server"
         )
-    return RankInfo(ip, port)
+    key: object = obj.get(CURVE_KEY_FIELD)
+    if key is not None and not is_curve_key(key):
+        raise WireError(
+            f"bootstrap rank-info reply has an unusable {CURVE_KEY_FIELD} {_shown(key)}: a "
+            "CURVE public key is 40 characters of Z85"
+        )
+    return RankInfo(ip, port, key)

@@ -27,7 +27,11 @@ from tspd.core.topology import MAX_CACHE_TP_SIZE, ParallelTopology
 
 __all__ = [
     "DEFAULT_BOOTSTRAP_PORT",
+    "ENV_BOOTSTRAP_PROTECT_GET",
     "ENV_BOOTSTRAP_TIMEOUT",
+    "ENV_BOOTSTRAP_TOKEN_FILE",
+    "ENV_CURVE_ALLOW_DIR",
+    "ENV_CURVE_SECRET_KEY_FILE",
     "ENV_FAILED_SESSION_TTL",
     "ENV_HEARTBEAT_INTERVAL",
     "ENV_HEARTBEAT_MAX_FAILURE",
@@ -35,13 +39,18 @@ __all__ = [
     "ENV_QUEUE_SIZE",
     "ENV_TEST_FAILURE_PROB",
     "ENV_THREAD_POOL_SIZE",
+    "ENV_TLS_CA_FILE",
+    "ENV_TLS_CERT_FILE",
+    "ENV_TLS_KEY_FILE",
     "ENV_WAITING_TIMEOUT",
     "MAX_CACHE_TP_SIZE",
     "MIN_HEARTBEAT_INTERVAL",
     "PDEnv",
+    "SecurityEnv",
     "check_rank_config",
     "parse_bool",
     "parse_pd_env",
+    "parse_security_env",
 ]
 
 ENV_BOOTSTRAP_TIMEOUT: Final = "TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT"
@@ -53,6 +62,14 @@ ENV_QUEUE_SIZE: Final = "TOKENSPEED_DISAGGREGATION_QUEUE_SIZE"
 ENV_THREAD_POOL_SIZE: Final = "TOKENSPEED_DISAGGREGATION_THREAD_POOL_SIZE"
 ENV_LAYERWISE_DEBUG: Final = "TOKENSPEED_PD_LAYERWISE_DEBUG"
 ENV_TEST_FAILURE_PROB: Final = "DISAGGREGATION_TEST_FAILURE_PROB"
+# tspd's own secure mode (docs/security.md); TokenSpeed has no such variables.
+ENV_CURVE_SECRET_KEY_FILE: Final = "TSPD_CURVE_SECRET_KEY_FILE"
+ENV_CURVE_ALLOW_DIR: Final = "TSPD_CURVE_ALLOW_DIR"
+ENV_TLS_CA_FILE: Final = "TSPD_TLS_CA_FILE"
+ENV_TLS_CERT_FILE: Final = "TSPD_TLS_CERT_FILE"
+ENV_TLS_KEY_FILE: Final = "TSPD_TLS_KEY_FILE"
+ENV_BOOTSTRAP_TOKEN_FILE: Final = "TSPD_BOOTSTRAP_TOKEN_FILE"
+ENV_BOOTSTRAP_PROTECT_GET: Final = "TSPD_BOOTSTRAP_PROTECT_GET"
 
 DEFAULT_BOOTSTRAP_PORT: Final = 8998
 """``--disaggregation-bootstrap-port`` default."""
@@ -202,3 +219,57 @@ def check_rank_config(
             f"the fault-injection probability ({ENV_TEST_FAILURE_PROB}) must be in [0, 1], "
             f"got {failure_prob}"
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SecurityEnv:
+    """tspd's secure-mode variables (docs/security.md), as paths and flags; the shell
+    loads the files (:class:`tspd.shell.security.SecurityConfig`). Every path is
+    ``None`` when its variable is unset or empty."""
+
+    curve_secret_key_file: str | None = None
+    curve_allow_dir: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    bootstrap_token_file: str | None = None
+    protect_get: bool = False
+
+
+def parse_security_env(environ: Mapping[str, str]) -> SecurityEnv:
+    """Read tspd's secure-mode variables from ``environ``. The CURVE key file and
+    allow-list directory go together, and so do the TLS certificate and key: one
+    without the other is a :class:`ConfigError` naming both (a half-configured
+    secure mode must never run as plain mode)."""
+
+    def path(name: str) -> str | None:
+        raw = environ.get(name, "").strip()
+        return raw or None
+
+    env = SecurityEnv(
+        curve_secret_key_file=path(ENV_CURVE_SECRET_KEY_FILE),
+        curve_allow_dir=path(ENV_CURVE_ALLOW_DIR),
+        tls_ca_file=path(ENV_TLS_CA_FILE),
+        tls_cert_file=path(ENV_TLS_CERT_FILE),
+        tls_key_file=path(ENV_TLS_KEY_FILE),
+        bootstrap_token_file=path(ENV_BOOTSTRAP_TOKEN_FILE),
+        protect_get=_Reader(environ).get(
+            ENV_BOOTSTRAP_PROTECT_GET, parse_bool, False, "a boolean (true/false)"
+        ),
+    )
+    for first, second, a, b in (
+        (
+            env.curve_secret_key_file,
+            env.curve_allow_dir,
+            ENV_CURVE_SECRET_KEY_FILE,
+            ENV_CURVE_ALLOW_DIR,
+        ),
+        (env.tls_cert_file, env.tls_key_file, ENV_TLS_CERT_FILE, ENV_TLS_KEY_FILE),
+    ):
+        if (first is None) != (second is None):
+            given, missing = (a, b) if first is not None else (b, a)
+            raise ConfigError(
+                f"{given} is set but {missing} is not: secure mode needs both "
+                "(docs/security.md); set both, or unset both for plain mode"
+            )
+    return env

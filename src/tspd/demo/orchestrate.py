@@ -17,6 +17,12 @@ Decode rank ``r`` after the Prefill ranks; 0: free ports) and ``on_metrics`` hea
 each URL as the rank comes up. Every
 process is stopped before it returns, whatever happened; a role that exits
 early, or a run past ``timeout``, fails the demo with the reason.
+
+With ``secure`` every process runs tspd's secure mode (docs/security.md): a CURVE key
+pair per rank, an allow-list of them all, a TLS CA and server certificate for the
+bootstrap server and a bearer token, all throwaway (:func:`tspd.keys.generate_keys`
+in the run's temporary directory), handed to each process in its ``TSPD_*``
+variables.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import trio
 
 from tspd.demo.workload import Workload
+from tspd.keys import KeyFiles
 from tspd.shell.ports import free_port
 
 __all__ = ["DemoOptions", "DemoSummary", "RoleProcess", "percentile", "run_demo", "tspd_argv"]
@@ -74,6 +81,8 @@ class DemoOptions:
     #: come last, so they override the demo's own).
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
+    #: Secure mode for every process (see the module doc).
+    secure: bool = False
 
     def role_metrics_port(self, role: str, rank: int) -> int | None:
         """The metrics port of one rank: the base plus its index (Prefill ranks
@@ -211,12 +220,15 @@ async def spawn(
     argv: Sequence[str],
     on_record: Callable[[RoleProcess, dict[str, Any]], None],
     log_dir: str,
+    extra_env: Mapping[str, str] | None = None,
 ) -> RoleProcess:
-    """Start ``argv`` with stdout followed as JSON lines and stderr to a log file."""
+    """Start ``argv`` with stdout followed as JSON lines and stderr to a log file;
+    ``extra_env`` is added to its environment."""
     log_path = os.path.join(log_dir, f"{name}.log")
     log_file = _open_log(log_path)
     env = dict(os.environ)
     env.setdefault("MC_LOG_LEVEL", "ERROR")
+    env.update(extra_env or {})
     try:
         process = await trio.lowlevel.open_process(
             list(argv), stdout=subprocess.PIPE, stderr=log_file, env=env
@@ -236,7 +248,13 @@ def _stop(roles: Sequence[RoleProcess]) -> None:
 
 
 def _role_args(
-    opts: DemoOptions, role: str, rank: int, tp: int, bootstrap: str, agree: str
+    opts: DemoOptions,
+    role: str,
+    rank: int,
+    tp: int,
+    bootstrap: str,
+    agree: str,
+    agree_keys: str = "",
 ) -> list[str]:
     w = opts.workload
     rooms = f"{w.rooms.start}:{w.rooms.stop}"
@@ -282,6 +300,8 @@ def _role_args(
         args += ["--contract", w.contract_file]
     if agree:
         args += ["--agree", agree]
+    if agree and agree_keys:
+        args += ["--agree-keys", agree_keys]
     metrics_port = opts.role_metrics_port(role, rank)
     if metrics_port is not None:
         args += ["--metrics-port", str(metrics_port)]
@@ -332,6 +352,16 @@ async def run_demo(
 
     roles: list[RoleProcess] = []
     with tempfile.TemporaryDirectory(prefix="tspd-demo-") as log_dir:
+        keys = _demo_keys(opts, log_dir) if opts.secure else None
+
+        def env(name: str | None, *, server: bool = False) -> dict[str, str]:
+            return keys.env(name, server=server) if keys is not None else {}
+
+        def agree_keys(role: str, tp: int) -> str:
+            if keys is None:
+                return ""
+            return ",".join(keys.public_key(f"{role}-{rank}") for rank in range(tp))
+
         async with trio.open_nursery() as nursery:
             try:
                 with trio.move_on_after(opts.timeout) as scope:
@@ -344,6 +374,7 @@ async def run_demo(
                         ),
                         on_record,
                         log_dir,
+                        env(None, server=True),
                     )
                     roles.append(server)
                     await server.ready.wait()
@@ -363,10 +394,12 @@ async def run_demo(
                                 opts.prefill_tp,
                                 bootstrap,
                                 prefill_agree if opts.prefill_tp > 1 else "",
+                                agree_keys("prefill", opts.prefill_tp),
                             )
                         )
+                        name = f"prefill-{rank}"
                         prefill.append(
-                            await spawn(nursery, f"prefill-{rank}", argv, on_record, log_dir)
+                            await spawn(nursery, name, argv, on_record, log_dir, env(name))
                         )
                     roles.extend(prefill)
                     for role in prefill:
@@ -389,10 +422,12 @@ async def run_demo(
                                 opts.decode_tp,
                                 bootstrap,
                                 decode_agree if opts.decode_tp > 1 else "",
+                                agree_keys("decode", opts.decode_tp),
                             )
                         )
+                        name = f"decode-{rank}"
                         decode.append(
-                            await spawn(nursery, f"decode-{rank}", argv, on_record, log_dir)
+                            await spawn(nursery, name, argv, on_record, log_dir, env(name))
                         )
                     roles.extend(decode)
                     for role in prefill + decode:
@@ -414,6 +449,16 @@ async def run_demo(
 
 class _Abort(Exception):
     """A role failed to start; the demo stops."""
+
+
+def _demo_keys(opts: DemoOptions, directory: str) -> KeyFiles:
+    """Throwaway secure-mode material for every rank of the demo (see the module doc)."""
+    from tspd.keys import generate_keys
+
+    names = [f"prefill-{r}" for r in range(opts.prefill_tp)]
+    names += [f"decode-{r}" for r in range(opts.decode_tp)]
+    hosts = [opts.host] + (["localhost"] if opts.host != "localhost" else [])
+    return generate_keys(os.path.join(directory, "keys"), names, hosts=hosts, days=2)
 
 
 #: Failed rooms whose traces the summary keeps.

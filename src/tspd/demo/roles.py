@@ -6,7 +6,7 @@ handshake), with a host-memory arena, and serve the workload's rooms the way an
 inference engine would drive the peer:
 
 * **Prefill**: register each room's request (up to ``in_flight`` at a time), poll;
-  on ``Bootstrapped`` allocate pages, "run the forward" — write the §15 pattern
+  on ``Bootstrapped`` allocate pages, "run the forward" — write the interop pattern
   into them (layerwise: one producer step at a time, advancing the step counter,
   with chunks armed before) — and hand the remote decode over with the room's
   bootstrap token; on ``Succeeded``/``Failed`` free the pages and report.
@@ -21,7 +21,9 @@ room's line carries the rank's trace of it (:mod:`tspd.core.trace`). With
 (:func:`~tspd.shell.metrics.open_metrics_server`) and reports the URL. A rank of a
 TP group larger than one agrees with the others over ZMQ
 (:class:`~tspd.shell.agreement.ZmqAgreement`; ``agree`` lists every rank's
-endpoint).
+endpoint). With ``security`` a rank runs tspd's secure mode (docs/security.md):
+CURVE on its sockets (``agree_keys``: every agreeing rank's public key), TLS and the
+token towards the bootstrap server.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from tspd.shell.decode import DecodePeer, DecodeSettings, open_decode_peer
 from tspd.shell.metrics import TspdMetrics, open_metrics_server
 from tspd.shell.offload import EngineRunner
 from tspd.shell.prefill import PrefillPeer, PrefillSettings, RemoteDecodeRow, open_prefill_peer
+from tspd.shell.security import SecurityConfig
 from tspd.shell.steps import StepCounter
 
 __all__ = ["DemoTunables", "RoleOptions", "run_decode_rank", "run_prefill_rank"]
@@ -120,6 +123,9 @@ class RoleOptions:
     #: Serve /metrics and /traces on this port (0: any free port); ``None``: no endpoint.
     metrics_port: int | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    #: Secure mode (``None``: plain) and, with CURVE, every agreeing rank's public key.
+    security: SecurityConfig | None = None
+    agree_keys: tuple[str, ...] = ()
 
 
 #: Each demo tunable -> (TokenSpeed's variable, its :class:`PDEnv` field).
@@ -172,7 +178,19 @@ async def _agreement(opts: RoleOptions) -> AsyncIterator[ReplicaAgreement]:
             f"a rank of a TP group of {opts.tp} needs {opts.tp} agreement endpoints "
             f"(--agree), got {len(opts.agree)}"
         )
-    async with ZmqAgreement(opts.rank, opts.agree, timeout=max(30.0, opts.waiting_timeout)) as a:
+    curve = opts.security.curve if opts.security is not None else None
+    if curve is not None and len(opts.agree_keys) != opts.tp:
+        raise ConfigError(
+            f"a secure rank of a TP group of {opts.tp} needs {opts.tp} agreement keys "
+            f"(--agree-keys), got {len(opts.agree_keys)}"
+        )
+    async with ZmqAgreement(
+        opts.rank,
+        opts.agree,
+        timeout=max(30.0, opts.waiting_timeout),
+        curve=curve,
+        peer_keys=opts.agree_keys if curve is not None else None,
+    ) as a:
         yield a
 
 
@@ -249,6 +267,7 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
         bootstrap_addr=opts.bootstrap,
         world_size=opts.tp,
         engine_rank=opts.rank,
+        security=opts.security,
     )
     pages = PageAllocator(contract, contiguous=not opts.scatter)
     counter = StepCounter() if schedule is not None else None
@@ -399,7 +418,7 @@ async def _prefill_forward(
 async def _wait_for_prefill(opts: RoleOptions, reporter: Reporter, limit: float = 120.0) -> None:
     """Wait until the Prefill instance's bootstrap server knows every rank (a Decode
     started first would otherwise fail its first rooms)."""
-    async with BootstrapClient() as client:
+    async with BootstrapClient(security=opts.security) as client:
         with trio.move_on_after(limit):
             announced = False
             while True:
@@ -436,7 +455,9 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
         waiting_timeout=opts.waiting_timeout,
         heartbeat_max_failures=opts.heartbeat_max_failures,
     )
-    settings = DecodeSettings(host=opts.host, heartbeat_interval=opts.heartbeat_interval)
+    settings = DecodeSettings(
+        host=opts.host, heartbeat_interval=opts.heartbeat_interval, security=opts.security
+    )
     await _wait_for_prefill(opts, reporter)
     pages = PageAllocator(contract, contiguous=not opts.scatter)
     engine = _engine(opts.host)

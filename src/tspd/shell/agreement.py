@@ -13,7 +13,10 @@ Implementations:
   PULL socket and connects a PUSH to every other rank; a round sends this rank's
   values to all the others and waits for theirs (one hop, no leader). Messages
   carry the round number, so a fast rank's next round waits in a buffer instead of
-  mixing with the current one.
+  mixing with the current one. In secure mode (``curve`` keys and ``peer_keys``,
+  docs/security.md) the PULL is a CURVE server behind the ZAP handler's allow-list,
+  each PUSH a CURVE client of its rank's key, and a round's values count only from
+  the identity of the rank they name.
 
 An adapter for a host's ``torch.distributed`` group fits the same
 :class:`ReplicaAgreement` protocol.
@@ -24,7 +27,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Final, Protocol, Self, final
+from typing import TYPE_CHECKING, Final, Protocol, Self, final
 
 import numpy as np
 import trio
@@ -32,6 +35,9 @@ import zmq
 
 from tspd.core.errors import ConfigError, ProtocolError, TspdError, WireError
 from tspd.shell.zmq import TrioSocket, open_socket
+
+if TYPE_CHECKING:
+    from tspd.shell.security import CurveGuard, CurveKeys
 
 __all__ = ["AgreementError", "ReplicaAgreement", "SingleRank", "ZmqAgreement"]
 
@@ -97,7 +103,8 @@ class ZmqAgreement:
     ``endpoints[i]`` is the ``tcp://host:port`` rank ``i`` binds its PULL socket
     to; every rank gets the same list. Use it as an async context manager (it
     owns its sockets); ``timeout`` bounds one round, so a dead rank turns into an
-    :class:`AgreementError` instead of a hang.
+    :class:`AgreementError` instead of a hang. Secure mode: ``curve`` (this process's
+    keys and allow-list) and ``peer_keys[i]``, rank ``i``'s public key (Z85).
     """
 
     def __init__(
@@ -107,6 +114,8 @@ class ZmqAgreement:
         *,
         timeout: float = 30.0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        curve: CurveKeys | None = None,
+        peer_keys: Sequence[str] | None = None,
     ) -> None:
         if not endpoints:
             raise ConfigError("a ZMQ replica agreement needs at least one rank endpoint")
@@ -114,6 +123,25 @@ class ZmqAgreement:
             raise ConfigError(
                 f"replica agreement rank {rank} is outside [0, {len(endpoints)}) endpoints"
             )
+        if curve is not None:
+            if peer_keys is None or len(peer_keys) != len(endpoints):
+                raise ConfigError(
+                    "a secure replica agreement needs every rank's CURVE public key "
+                    f"(peer_keys), one per endpoint: {len(endpoints)}"
+                )
+            if peer_keys[rank] != curve.public_key:
+                raise ConfigError(
+                    f"peer_keys[{rank}] is not this process's public key {curve.public_key}"
+                )
+            strangers = [k for k in peer_keys if k not in curve.allowed]
+            if strangers:
+                raise ConfigError(
+                    f"replica agreement ranks' keys {strangers} are not in the allow-list "
+                    f"{curve.allow_dir}"
+                )
+        self._keys = curve
+        self._peer_keys = tuple(peer_keys) if curve is not None and peer_keys else ()
+        self._guard: CurveGuard | None = None
         self.rank = rank
         self.endpoints = tuple(endpoints)
         self.timeout = timeout
@@ -130,19 +158,32 @@ class ZmqAgreement:
         return len(self.endpoints)
 
     async def __aenter__(self) -> Self:
+        guard: CurveGuard | None = None
+        if self._keys is not None:
+            from tspd.shell.security import CurveGuard
+
+            guard = CurveGuard(self._context, self._keys, f"replica agreement rank {self.rank}")
+        self._guard = guard
         pull = open_socket(self._context, zmq.PULL)
         try:
+            if guard is not None:
+                guard.server(pull, "the replica agreement PULL")
             pull.sock.bind(self.endpoints[self.rank])
             for other, endpoint in enumerate(self.endpoints):
                 if other != self.rank:
                     push = open_socket(self._context, zmq.PUSH)
                     self._pushes[other] = push
+                    if guard is not None:
+                        guard.client(push, self._peer_keys[other])
                     push.sock.connect(endpoint)
         except BaseException:
             pull.close()
             for push in self._pushes.values():
                 push.close()
             self._pushes.clear()
+            if guard is not None:
+                guard.close()
+                self._guard = None
             raise
         self._pull = pull
         await trio.lowlevel.checkpoint()
@@ -166,6 +207,9 @@ class ZmqAgreement:
             # rank that has not finished that round yet.
             push.close(linger=_CLOSE_LINGER_MS)
         self._pushes.clear()
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
 
     async def agree(self, values: Sequence[int]) -> list[int]:
         """The element-wise MIN over every rank (see :class:`ReplicaAgreement`)."""
@@ -182,6 +226,10 @@ class ZmqAgreement:
             result = list(values)
             with trio.move_on_after(self.timeout) as scope:
                 while len(self._pending.get(round_no, {})) < len(self._pushes):
+                    if self._peer_keys:
+                        for message, sender in await self._pull.recv_batch_from(64):
+                            self._accept(message, sender)
+                        continue
                     for message in await self._pull.recv_batch(64):
                         self._accept(message)
             got = self._pending.pop(round_no, {})
@@ -202,11 +250,13 @@ class ZmqAgreement:
                 result = [min(a, b) for a, b in zip(result, theirs, strict=True)]
             return result
 
-    def _accept(self, frames: Sequence[bytes]) -> None:
+    def _accept(self, frames: Sequence[bytes], sender: str | None = None) -> None:
         try:
             round_no, rank, values = _decode(frames)
         except WireError:
             return
         if round_no < self._round - 1 or rank == self.rank or rank not in self._pushes:
             return
+        if sender is not None and self._peer_keys[rank] != sender:
+            return  # secure mode: only rank ``rank``'s identity speaks for it
         self._pending.setdefault(round_no, {})[rank] = values

@@ -32,16 +32,25 @@ address (it comes from a request) or the server (it may not be tspd's) is. The c
 ``timeout=`` (seconds, httpx's per-phase timeout as TokenSpeed's clients use it)
 rather than relying on ``trio.fail_after`` around them, because the health check
 needs distinct connect and read limits.
+
+Secure mode (``security=``, a :class:`~tspd.shell.security.SecurityConfig`;
+docs/security.md): the server speaks HTTPS only with the configured certificate, and
+``PUT /route`` (with ``protect_get`` the ``GET`` routes too) needs the bearer token:
+``401`` without one, ``403`` with another. A rank's route held by one identity (its
+CURVE public key, or none) is replaced by a ``PUT`` of another identity only once the
+holder is no longer live — its control endpoint refuses a TCP connection, or does not
+answer within :data:`LIVENESS_PROBE_S` — else ``409`` (``identity_conflict``). The
+client verifies the server with the CA, sends the token and speaks ``https://``.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final, NoReturn, final
+from typing import TYPE_CHECKING, Any, Final, NoReturn, final
 
 import httpx
 import trio
@@ -66,6 +75,9 @@ from tspd.core.errors import TspdError
 from tspd.log import RateLimitedLog
 from tspd.shell.http import HttpLimits, OnRefused, bind_tcp, serve_asgi
 from tspd.shell.nursery import single_error
+
+if TYPE_CHECKING:
+    from tspd.shell.security import SecurityConfig
 
 __all__ = [
     "DEFAULT_BOOTSTRAP_PORT",
@@ -96,6 +108,10 @@ one contract); a longer reply fails the call."""
 MAX_SESSIONS: Final = 256
 """Bootstrap addresses a :class:`BootstrapClient` keeps a session open to; opening
 one more closes the least recently used."""
+
+LIVENESS_PROBE_S: Final = 2.0
+"""Secure server: how long a route's holder has to accept a TCP connection on its
+control endpoint to count as live when another identity wants its route."""
 
 _METHODS: Final = ["GET", "HEAD", "PUT", "POST", "DELETE", "PATCH", "OPTIONS", "TRACE"]
 #: Refusals logged at INFO rather than WARNING: probes and scanners, not peers.
@@ -150,15 +166,80 @@ def _reason(reply: HttpReply) -> str:
     return reply.reason or _BY_STATUS.get(reply.status, "other")
 
 
-def bootstrap_app(state: BootstrapState, *, on_refused: OnRefused | None = None) -> Starlette:
+async def holder_alive(host: str, port: int) -> bool:
+    """Whether ``host:port`` accepts a TCP connection within :data:`LIVENESS_PROBE_S`."""
+    with trio.move_on_after(LIVENESS_PROBE_S):
+        try:
+            stream = await trio.open_tcp_stream(host, port)
+        except OSError:
+            return False
+        await trio.aclose_forcefully(stream)
+        return True
+    return False
+
+
+def _unauthorized(status: int, what: str) -> HttpReply:
+    detail = (
+        "needs a bearer token (Authorization: Bearer ..., TSPD_BOOTSTRAP_TOKEN_FILE)"
+        if status == 401
+        else "was sent with a token this server does not accept"
+    )
+    return HttpReply(status, f"bootstrap {what} {detail}", reason="unauthorized")
+
+
+def bootstrap_app(
+    state: BootstrapState,
+    *,
+    on_refused: OnRefused | None = None,
+    security: SecurityConfig | None = None,
+    alive: Callable[[str, int], Awaitable[bool]] = holder_alive,
+) -> Starlette:
     """A Starlette app answering every path and method from ``state``.
 
     Each refused request (``4xx`` but the ``503`` of a starting instance, or a
     ``500``) is reported to ``on_refused(peer, reason, message)`` (default: a
     rate-limited log line). An exception raised by ``state`` is answered ``500``
-    and logged with its traceback (rate-limited); the server goes on."""
+    and logged with its traceback (rate-limited); the server goes on. With
+    ``security`` carrying a token, the token and identity rules of the module doc
+    apply (``alive`` probes a route's holder)."""
     refused = _Refusals() if on_refused is None else on_refused
     faults = RateLimitedLog(logger)
+    token = security.bootstrap_token if security is not None else None
+    protect_get = security is not None and security.protect_get
+
+    async def guarded(request: Request, body: bytes) -> HttpReply | None:
+        """A refusal from the token or identity rules, or ``None`` to go on."""
+        if token is None or request.url.path != "/route":
+            return None
+        method = request.method
+        if method == "PUT" or (protect_get and method in ("GET", "HEAD")):
+            from tspd.shell.security import check_token
+
+            status = check_token(token, request.headers.get("authorization"))
+            if status is not None:
+                return _unauthorized(status, f"{method[:8]} /route")
+        if method != "PUT":
+            return None
+        conflict = state.identity_conflict(body)
+        if conflict is None:
+            return None
+        host, port, key = conflict
+        if not await alive(host, port):
+            logger.warning(
+                "bootstrap server: a rank's route %s:%d (identity %s) is replaced by another "
+                "identity: its holder no longer answers",
+                host,
+                port,
+                key or "plain",
+            )
+            return None
+        return HttpReply(
+            409,
+            f"bootstrap PUT /route refused: this rank's route is held by a live rank of "
+            f"another identity ({host}:{port}, CURVE key {key or 'none: plain mode'}); only "
+            "the same identity may replace it while its holder is live",
+            reason="identity_conflict",
+        )
 
     def answer(request: Request, reply: HttpReply) -> Response:
         if reply.status >= 400 and reply.status != 503:
@@ -191,6 +272,12 @@ def bootstrap_app(state: BootstrapState, *, on_refused: OnRefused | None = None)
                     return answer(request, too_large())
         except ClientDisconnect:  # gone, or closed by the limits (reported there)
             return Response(status_code=400)
+        refusal = await guarded(request, bytes(body))
+        if refusal is not None:
+            response = answer(request, refusal)
+            if refusal.status == 401:
+                response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         try:
             reply: HttpReply = state.handle(
                 request.method,
@@ -241,6 +328,8 @@ class BootstrapServer:
     state: BootstrapState
     limits: HttpLimits = field(default_factory=HttpLimits)
     _refusals: _Refusals = field(default_factory=_Refusals, repr=False, compare=False)
+    #: ``https`` when the server speaks TLS (secure mode).
+    scheme: str = "http"
 
     def statistics(self) -> dict[str, int]:
         """Refused requests and connections so far, by reason (the reasons of
@@ -254,8 +343,8 @@ class BootstrapServer:
 
     @property
     def url(self) -> str:
-        """``http://host:port``."""
-        return f"http://{self.address}"
+        """``http://host:port`` (``https://`` with TLS)."""
+        return f"{self.scheme}://{self.address}"
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -271,17 +360,19 @@ async def serve_bootstrap(
     *,
     state: BootstrapState | None = None,
     limits: HttpLimits | None = None,
+    security: SecurityConfig | None = None,
     task_status: trio.TaskStatus[BootstrapServer] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Serve the bootstrap routes on ``host:port`` until cancelled.
 
     ``port=0`` picks a free port; ``task_status`` reports the :class:`BootstrapServer`
     once the socket is bound and listening. ``limits`` (default
-    :class:`~tspd.shell.http.HttpLimits`) bound what clients may hold. A port that
-    cannot be bound raises :class:`BootstrapServerError` ``"Bootstrap server failed
-    to bind on port {port}"`` chained to the OS error.
+    :class:`~tspd.shell.http.HttpLimits`) bound what clients may hold. ``security``:
+    TLS and the token rules (see the module doc). A port that cannot be bound raises
+    :class:`BootstrapServerError` ``"Bootstrap server failed to bind on port
+    {port}"`` chained to the OS error.
     """
-    await _serve_socket(_bind(host, port), host, state, limits, task_status=task_status)
+    await _serve_socket(_bind(host, port), host, state, limits, security, task_status=task_status)
 
 
 async def _serve_socket(
@@ -289,15 +380,28 @@ async def _serve_socket(
     host: str,
     state: BootstrapState | None,
     limits: HttpLimits | None,
+    security: SecurityConfig | None = None,
     *,
     task_status: trio.TaskStatus[BootstrapServer] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Serve on an already bound socket (adopted: closed when serving stops)."""
     state = BootstrapState() if state is None else state
     limits = HttpLimits() if limits is None else limits
-    server = BootstrapServer(host, sock.getsockname()[1], state, limits)
+    try:
+        ssl_context = security.server_ssl_context() if security is not None else None
+    except BaseException:
+        sock.close()
+        raise
+    scheme = "https" if ssl_context is not None else "http"
+    server = BootstrapServer(host, sock.getsockname()[1], state, limits, scheme=scheme)
+    if security is not None and security.bootstrap_token and ssl_context is None:
+        logger.warning(
+            "bootstrap server %s: a bearer token is required but TLS is off, so the token "
+            "travels in clear text; set TSPD_TLS_CERT_FILE and TSPD_TLS_KEY_FILE",
+            server.address,
+        )
     await serve_asgi(
-        bootstrap_app(state, on_refused=server._refusals),
+        bootstrap_app(state, on_refused=server._refusals, security=security),
         sock,
         logger=logger,
         what="bootstrap server",
@@ -305,6 +409,7 @@ async def _serve_socket(
         url=server.url,
         limits=limits,
         on_refused=server._refusals,
+        ssl_context=ssl_context,
         task_status=task_status,
     )
 
@@ -316,15 +421,18 @@ async def open_bootstrap_server(
     *,
     state: BootstrapState | None = None,
     limits: HttpLimits | None = None,
+    security: SecurityConfig | None = None,
 ) -> AsyncIterator[BootstrapServer]:
     """Run a bootstrap server for the duration of the block; yields its handle
-    (``server.address`` is the bound ``"host:port"``). ``limits`` as for
-    :func:`serve_bootstrap`. A bind failure raises :class:`BootstrapServerError`
-    before the block runs."""
+    (``server.address`` is the bound ``"host:port"``). ``limits`` and ``security``
+    as for :func:`serve_bootstrap`. A bind failure raises
+    :class:`BootstrapServerError` before the block runs."""
     sock = _bind(host, port)
     with single_error():
         async with trio.open_nursery() as nursery:
-            server: BootstrapServer = await nursery.start(_serve_socket, sock, host, state, limits)
+            server: BootstrapServer = await nursery.start(
+                _serve_socket, sock, host, state, limits, security
+            )
             try:
                 yield server
             finally:
@@ -356,8 +464,8 @@ async def _read_capped(response: httpx.Response) -> bytes:
     return bytes(body)
 
 
-def _base_url(address: str) -> str:
-    return address if "://" in address else f"http://{address}"
+def _base_url(address: str, scheme: str = "http") -> str:
+    return address if "://" in address else f"{scheme}://{address}"
 
 
 def _address_problem(address: str) -> str | None:
@@ -390,7 +498,8 @@ class BootstrapClient:
     Use as an async context manager (or call :meth:`aclose`) so pooled connections
     are closed. Failures raise :class:`BootstrapUnavailable` (transport error or
     non-200) or :class:`tspd.core.errors.WireError` (a 200 reply that cannot be
-    used); :meth:`health` never raises.
+    used); :meth:`health` never raises. ``security``: verify the server with its CA
+    over ``https://`` and send the bearer token (secure mode, docs/security.md).
     """
 
     def __init__(
@@ -400,7 +509,13 @@ class BootstrapClient:
         get_timeout: float = 5.0,
         health_connect_timeout: float = 2.0,
         health_read_timeout: float = 3.0,
+        security: SecurityConfig | None = None,
     ) -> None:
+        self._scheme = security.scheme if security is not None else "http"
+        self._verify = security.client_ssl_context() if security is not None else None
+        self._headers = {"Connection": "keep-alive", "Accept-Encoding": "identity"}
+        if security is not None and security.bootstrap_token:
+            self._headers["Authorization"] = f"Bearer {security.bootstrap_token}"
         self._put_timeout = put_timeout
         self._get_timeout = get_timeout
         self._health_timeout = httpx.Timeout(
@@ -421,10 +536,11 @@ class BootstrapClient:
             while len(self._clients) >= MAX_SESSIONS:
                 await self.drop(next(iter(self._clients)))
             client = httpx.AsyncClient(
-                base_url=_base_url(address),
+                base_url=_base_url(address, self._scheme),
                 trust_env=False,  # never route a bootstrap address through a proxy
                 # Plain replies only: a compressed one could inflate past MAX_REPLY_BYTES.
-                headers={"Connection": "keep-alive", "Accept-Encoding": "identity"},
+                headers=self._headers,
+                verify=self._verify if self._verify is not None else True,
             )
         self._clients[address] = client  # now the most recently used
         return client
@@ -479,7 +595,14 @@ class BootstrapClient:
         except _ReplyTooLarge as err:
             raise BootstrapUnavailable(address, what, None, str(err)) from err
         except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError, ValueError) as err:
-            raise BootstrapUnavailable(address, what, None, f"{type(err).__name__}: {err}") from err
+            cause = err.__cause__ or err.__context__
+            detail = f"{type(err).__name__}: {err or cause!r}"
+            if self._verify is not None and isinstance(err, httpx.ConnectError):
+                detail += (
+                    " (this client speaks HTTPS, secure mode: a plain-HTTP bootstrap server "
+                    "is refused, as is a certificate the CA did not sign)"
+                )
+            raise BootstrapUnavailable(address, what, None, detail) from err
         if status != 200:
             detail = body[:1000].decode("utf-8", "replace")
             raise BootstrapUnavailable(address, what, status, detail)

@@ -20,6 +20,15 @@ nursery owns:
   (spec §7.9.3);
 * the **timer task** — the waiting timeout.
 
+In secure mode (``DecodeSettings.security`` with CURVE keys, docs/security.md) the
+status socket is a CURVE server behind the ZAP handler's allow-list (its server key is
+this process's public key, which every Prefill rank learns as the identity of the
+registration it receives), each status reaches the core with its sender's identity,
+and registrations and pre-allocations go out as CURVE clients of the key each
+Prefill rank's bootstrap route carries. A rank whose route has no key (a plain
+Prefill), or a key not on the allow-list, fails its rooms with an explicit reason; a
+plain Decode refuses a rank whose route carries a key the same way.
+
 Nothing a peer sends and no route that cannot be planned raises into the caller:
 the room fails with a reason, and the scheduler sees a ``Failed`` event. The
 arena is registered with the engine so Prefill ranks can write into it.
@@ -37,6 +46,7 @@ from typing import Any, final
 import trio
 import zmq
 
+from tspd.core.bootstrap import RankInfo
 from tspd.core.commands import (
     Command,
     Event,
@@ -61,6 +71,7 @@ from tspd.shell.metrics import TspdMetrics
 from tspd.shell.nursery import single_error
 from tspd.shell.observe import PeerObserver
 from tspd.shell.pushes import DEFAULT_IDLE_TTL, DEFAULT_MAX_SOCKETS, PushPool
+from tspd.shell.security import CurveGuard, SecurityConfig
 from tspd.shell.timer import DeadlineTimer
 from tspd.shell.zmq import MAX_MESSAGE_FRAMES, TrioSocket, bind_free_port, open_socket
 
@@ -81,7 +92,9 @@ class DecodeSettings:
     (``TOKENSPEED_DISAGGREGATION_HEARTBEAT_INTERVAL``, 5.0 by default).
     ``status_batch`` caps how many status messages one drain takes.
     ``push_sockets``/``push_idle_ttl``: the push pool's bound and idle TTL
-    (:class:`~tspd.shell.pushes.PushPool`).
+    (:class:`~tspd.shell.pushes.PushPool`). ``security``: secure mode (CURVE keys
+    for the sockets, TLS and token for the bootstrap client; docs/security.md);
+    ``None`` is plain mode.
     """
 
     host: str = "127.0.0.1"
@@ -89,6 +102,7 @@ class DecodeSettings:
     status_batch: int = 256
     push_sockets: int = DEFAULT_MAX_SOCKETS
     push_idle_ttl: float = DEFAULT_IDLE_TTL
+    security: SecurityConfig | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **fields: Any) -> DecodeSettings:
@@ -121,8 +135,15 @@ class DecodePeer:
         client: BootstrapClient,
         status_port: int,
         observer: PeerObserver | None = None,
+        curve: CurveGuard | None = None,
+        server_keys: dict[tuple[str, int], str] | None = None,
     ) -> None:
         self.core = core
+        #: Secure mode's CURVE keys and ZAP domain (``None`` in plain mode).
+        self.curve = curve
+        #: Secure mode: the CURVE server key of each Prefill control endpoint (the
+        #: push pool reads it when it opens a socket).
+        self._server_keys = server_keys if server_keys is not None else {}
         #: Logs, metrics and traces of this rank (:mod:`tspd.shell.observe`).
         self.observer = observer or PeerObserver("decode", core.config.tp_rank)
         self.engine = engine
@@ -189,8 +210,43 @@ class DecodePeer:
         except TspdError as err:
             self.core.rank_info(addr, dp, rank, str(err), trio.current_time())
         else:
-            self.core.rank_info(addr, dp, rank, info, trio.current_time())
+            refused = self._check_mode(addr, rank, dp, info)
+            self.core.rank_info(addr, dp, rank, refused or info, trio.current_time())
         self._pump(activity=True)
+
+    def server_key(self, endpoint: str, port: int) -> str | None:
+        """Secure mode: the CURVE server key of the Prefill control socket at
+        ``endpoint:port`` (from its bootstrap route), or ``None``."""
+        return self._server_keys.get((endpoint, port))
+
+    def _check_mode(self, addr: str, rank: int, dp: int, info: RankInfo) -> str | None:
+        """Why this rank must not use ``info`` (a plain rank in secure mode, a secure
+        one in plain mode, a key off the allow-list), or ``None``; a usable key is
+        kept for the push pool."""
+        where = f"Prefill rank {rank} (DP group {dp}) of {addr} at {info.rank_ip}:{info.rank_port}"
+        if self.curve is None:
+            if info.curve_key is None:
+                return None
+            return (
+                f"{where} runs tspd secure mode (its bootstrap route carries a CURVE key) and "
+                "this Decode runs plain mode: a plain peer cannot reach it; configure "
+                "TSPD_CURVE_SECRET_KEY_FILE and TSPD_CURVE_ALLOW_DIR (docs/security.md)"
+            )
+        if info.curve_key is None:
+            return (
+                f"{where} runs plain mode (its bootstrap route has no CURVE key) and this "
+                "Decode runs tspd secure mode, which refuses plain peers (docs/security.md)"
+            )
+        if info.curve_key not in self.curve.keys.allowed:
+            return (
+                f"{where} presents CURVE key {info.curve_key}, which is not in this Decode's "
+                f"allow-list {self.curve.keys.allow_dir}: refused (docs/security.md)"
+            )
+        route = (info.rank_ip, info.rank_port)
+        if self._server_keys.get(route, info.curve_key) != info.curve_key:
+            self._pushes.release(*route)  # the rank's key changed: reconnect with the new one
+        self._server_keys[route] = info.curve_key
+        return None
 
     def _on_timeout(self, now: float) -> None:
         self.core.handle_timeout(now)
@@ -276,12 +332,26 @@ class DecodePeer:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         task_status.started()
+        if self.curve is not None:
+            await self._status_secure(sock, batch)
         while True:
             messages = await sock.recv_batch(batch)
             now = trio.current_time()
             for frames in messages:
                 try:
                     self.core.receive_status(frames, now)
+                except Exception:  # the status loop never dies
+                    log.exception("Unexpected failure handling a Prefill status message")
+            self._pump(activity=True)
+
+    async def _status_secure(self, sock: TrioSocket, batch: int) -> None:
+        """The status loop of secure mode: each message with its CURVE identity."""
+        while True:
+            messages = await sock.recv_batch_from(batch)
+            now = trio.current_time()
+            for frames, sender in messages:
+                try:
+                    self.core.receive_status(frames, now, sender)
                 except Exception:  # the status loop never dies
                     log.exception("Unexpected failure handling a Prefill status message")
             self._pump(activity=True)
@@ -309,7 +379,9 @@ class DecodePeer:
         results[addr] = await self._client.health(addr)
 
 
-def _bind_status(host: str, context: zmq.Context[zmq.Socket[bytes]]) -> tuple[TrioSocket, int]:
+def _bind_status(
+    host: str, context: zmq.Context[zmq.Socket[bytes]], curve: CurveGuard | None = None
+) -> tuple[TrioSocket, int]:
     sock = open_socket(
         context,
         zmq.PULL,
@@ -318,6 +390,8 @@ def _bind_status(host: str, context: zmq.Context[zmq.Socket[bytes]]) -> tuple[Tr
         name="Decode status socket",
     )
     try:
+        if curve is not None:
+            curve.server(sock, "the Decode status socket")
         port = bind_free_port(sock, host)
     except BaseException:
         sock.close()
@@ -347,13 +421,27 @@ async def open_decode_peer(
     """
     settings = settings or DecodeSettings()
     ctx = context or zmq.Context.instance()
+    security = settings.security
+    curve = (
+        CurveGuard(ctx, security.curve, f"Decode rank {config.tp_rank}")
+        if security is not None and security.curve is not None
+        else None
+    )
+    server_keys: dict[tuple[str, int], str] = {}
     pushes = PushPool(
         ctx,
         name=f"Decode rank {config.tp_rank}",
         max_sockets=settings.push_sockets,
         idle_ttl=settings.push_idle_ttl,
+        curve=curve,
+        server_key=(lambda e, p: server_keys.get((e, p))) if curve is not None else None,
     )
-    status, port = _bind_status(settings.host, ctx)
+    try:
+        status, port = _bind_status(settings.host, ctx, curve)
+    except BaseException:
+        if curve is not None:
+            curve.close()
+        raise
     try:
         core = DecodeCore(
             dataclasses.replace(
@@ -367,10 +455,15 @@ async def open_decode_peer(
         engine.register_memory(arena.base, arena.size)
     except BaseException:
         status.close()
+        if curve is not None:
+            curve.close()
         raise
     try:
         with single_error():
-            async with BootstrapClient() as client, trio.open_nursery() as nursery:
+            async with (
+                BootstrapClient(security=security) as client,
+                trio.open_nursery() as nursery,
+            ):
                 peer = DecodePeer(
                     core,
                     engine=engine,
@@ -385,6 +478,8 @@ async def open_decode_peer(
                         metrics=metrics,
                         slow_after=config.trace.slow_after,
                     ),
+                    curve=curve,
+                    server_keys=server_keys,
                 )
                 peer.observer.watch(core, peer.statistics)
                 peer._nursery = nursery
@@ -400,6 +495,8 @@ async def open_decode_peer(
                     nursery.cancel_scope.cancel()
     finally:
         status.close()
+        if curve is not None:
+            curve.close()
         try:
             engine.unregister_memory(arena.base)
         except TransferError as err:

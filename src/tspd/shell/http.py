@@ -15,6 +15,11 @@ read, so :func:`serve_asgi` runs hypercorn's connection handler under its own ac
 loop, which closes a connection beyond the cap at once and gives each request a
 deadline from its first byte to its answer (a client trickling a byte at a time is
 closed too). A connection closed for either reason is reported to ``on_refused``.
+
+With an ``ssl_context`` the server speaks HTTPS only (tspd's secure mode,
+docs/security.md): each connection's TLS handshake runs under the same deadlines,
+and a client whose first bytes are not a TLS handshake (plain HTTP) is answered a
+plain ``400`` that says so, then closed, and reported as ``tls_required``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -129,7 +135,18 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         self._timeout = limits.request_timeout
         self._on_timeout = on_timeout
         self._deadline = math.inf
+        self._pushback = b""
+        # The cancel scope of a receive under way: an answer sent meanwhile lifts its
+        # deadline (TLS reads records while a response goes out).
+        self._receiving: trio.CancelScope | None = None
         self.peer_gone = trio.Event()
+
+    async def peek(self) -> bytes:
+        """The first bytes the client sends, kept for the next :meth:`receive_some`
+        (``b""`` when it closed first)."""
+        data = bytes(await self.receive_some())
+        self._pushback = data
+        return data
 
     @property
     def deadline(self) -> float:
@@ -137,8 +154,15 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         return self._deadline
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        with trio.move_on_at(self._deadline):
-            data = await self._stream.receive_some(max_bytes)
+        if self._pushback:
+            data, self._pushback = self._pushback, b""
+            return data
+        with trio.move_on_at(self._deadline) as scope:
+            self._receiving = scope
+            try:
+                data = await self._stream.receive_some(max_bytes)
+            finally:
+                self._receiving = None
             if not data:
                 self.peer_gone.set()
             elif self._deadline == math.inf:
@@ -149,6 +173,8 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         self._deadline = math.inf
+        if self._receiving is not None:
+            self._receiving.deadline = math.inf
         await self._stream.send_all(data)
 
     async def wait_send_all_might_not_block(self) -> None:
@@ -213,6 +239,41 @@ def _log_refusals(logger: logging.Logger) -> OnRefused:
     return on_refused
 
 
+#: What a plain-HTTP client of a TLS server reads before the connection closes.
+_TLS_REQUIRED: Final = (
+    b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
+)
+_TLS_REQUIRED_BODY: Final = (
+    b"this server speaks HTTPS only (tspd secure mode, docs/security.md): a plain-mode "
+    b"peer cannot use it; give the client the CA (TSPD_TLS_CA_FILE)"
+)
+
+
+async def _tls_first(
+    stream: _GuardedStream, limits: HttpLimits, on_refused: OnRefused, what: str
+) -> bool:
+    """Whether the client's first bytes start a TLS handshake (a record of type 22);
+    a plain-HTTP client is answered :data:`_TLS_REQUIRED` and reported. An idle
+    client is given ``keep_alive_timeout`` to start."""
+    first = b""
+    with trio.move_on_after(limits.keep_alive_timeout):
+        first = await stream.peek()
+    if first[:1] == b"\x16":
+        return True
+    if first:
+        peer = _peer_host(stream.socket)
+        with trio.move_on_after(1.0):
+            await stream.send_all(_TLS_REQUIRED % (len(_TLS_REQUIRED_BODY), _TLS_REQUIRED_BODY))
+        on_refused(
+            peer,
+            "tls_required",
+            f"{what}: answered 400 to a plain-HTTP client from {peer}: this server speaks "
+            "HTTPS only (secure mode); a plain-mode peer cannot use it",
+        )
+    return False
+
+
 async def serve_asgi(
     app: object,
     sock: socket.socket,
@@ -223,14 +284,15 @@ async def serve_asgi(
     url: str,
     limits: HttpLimits | None = None,
     on_refused: OnRefused | None = None,
+    ssl_context: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[T] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Serve ``app`` on the bound ``sock`` until cancelled; report ``started`` through
     ``task_status`` once it listens. ``limits`` (defaults: :class:`HttpLimits`) bound
     what clients may hold; connections closed by them go to ``on_refused`` (default:
-    a rate-limited WARNING on ``logger``). hypercorn's own errors go to ``logger``'s
-    ``.http`` child; access logs are off. Leaving closes every connection and the
-    listening socket."""
+    a rate-limited WARNING on ``logger``). ``ssl_context``: serve HTTPS only (see the
+    module doc). hypercorn's own errors go to ``logger``'s ``.http`` child; access
+    logs are off. Leaving closes every connection and the listening socket."""
     limits = HttpLimits() if limits is None else limits
     on_refused = _log_refusals(logger) if on_refused is None else on_refused
     config = HypercornConfig()
@@ -261,9 +323,14 @@ async def serve_asgi(
 
     async def handle(stream: _GuardedStream) -> None:
         try:
+            conn: trio.abc.Stream = stream
+            if ssl_context is not None:
+                if not await _tls_first(stream, limits, on_refused, what):
+                    return
+                conn = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(close_when_peer_gone, stream, nursery.cancel_scope)
-                server = TCPServer(asgi, config, context, ConnectionState({}), cast(Any, stream))
+                server = TCPServer(asgi, config, context, ConnectionState({}), cast(Any, conn))
                 await server.run()
                 nursery.cancel_scope.cancel()
         except Exception:  # one connection's fault must not end the server

@@ -36,6 +36,11 @@ Shape of the machinery:
 Open a publisher with :func:`open_kv_publisher` (or :func:`open_event_publisher`,
 which follows TokenSpeed's factory: config string, ``enable_kv_cache_events``, and
 the registry of publisher kinds in :data:`PUBLISHERS`).
+
+Secure mode (``curve=``, docs/security.md): a PUB that binds and the replay ROUTER
+are CURVE servers behind the ZAP handler's allow-list (only allow-listed subscribers
+read the stream or ask for replays); a PUB that connects is a CURVE client of the
+subscriber's ``server_key``.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Final, Protocol, final
+from typing import TYPE_CHECKING, Final, Protocol, final
 
 import trio
 import zmq
@@ -73,6 +78,9 @@ from tspd.core.replay import (
 )
 from tspd.shell.nursery import single_error
 from tspd.shell.zmq import MAX_MESSAGE_FRAMES, TrioSocket, open_socket
+
+if TYPE_CHECKING:
+    from tspd.shell.security import CurveGuard, CurveKeys
 
 __all__ = [
     "PUBLISHERS",
@@ -588,6 +596,8 @@ async def open_kv_publisher(
     close_timeout: float = SHUTDOWN_TIMEOUT,
     replay_stall_timeout: float = REPLAY_STALL_TIMEOUT,
     replay_sndhwm: int | None = None,
+    curve: CurveKeys | None = None,
+    server_key: str | None = None,
 ) -> AsyncIterator[KVEventPublisher]:
     """Publish KV events for ``dp_rank`` until the block exits.
 
@@ -595,7 +605,9 @@ async def open_kv_publisher(
     wildcard and IPC addresses and connects otherwise, the replay ROUTER binds.
     Unsupported endpoints raise :class:`ConfigError` here, before anything starts.
     ``replay_sndhwm`` overrides the ROUTER's send high-water mark (default: the
-    buffer size plus a margin, so a whole replay fits).
+    buffer size plus a margin, so a whole replay fits). ``curve``: this process's
+    CURVE keys and allow-list (secure mode, see the module doc); ``server_key``: the
+    subscriber's public key when the PUB connects.
     """
     endpoint = offset_endpoint_port(config.endpoint, dp_rank)
     check_endpoint(endpoint)
@@ -606,10 +618,32 @@ async def open_kv_publisher(
     if config.unknown_keys:
         log.warning("KV events config: ignoring unknown keys %s", ", ".join(config.unknown_keys))
     context = ctx if ctx is not None else zmq.Context.instance()
+    binds = pub_binds(endpoint)
+    if curve is not None and not binds and server_key is None:
+        raise ConfigError(
+            f"a secure KV event publisher that connects to {endpoint} needs the "
+            "subscriber's CURVE key (server_key)"
+        )
+    guard: CurveGuard | None = None
+    if curve is not None:
+        from tspd.shell.security import CurveGuard
+
+        guard = CurveGuard(context, curve, f"the KV event publisher of DP rank {dp_rank}")
     pub = open_socket(context, zmq.PUB)
     pub.sock.setsockopt(zmq.SNDHWM, config.hwm)
     pub.sock.setsockopt(zmq.RCVHWM, config.hwm)
-    bound = _attach(pub, endpoint, bind=pub_binds(endpoint), what="PUB", dp_rank=dp_rank)
+    if guard is not None:
+        if binds:
+            guard.server(pub, f"the KV event PUB of DP rank {dp_rank}")
+        else:
+            assert server_key is not None
+            guard.client(pub, server_key)
+    try:
+        bound = _attach(pub, endpoint, bind=binds, what="PUB", dp_rank=dp_rank)
+    except ConfigError:
+        if guard is not None:
+            guard.close()
+        raise
     router: TrioSocket | None = None
     replay_bound: str | None = None
     if replay_endpoint is not None:
@@ -623,12 +657,16 @@ async def open_kv_publisher(
         router.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         hwm = replay_sndhwm if replay_sndhwm is not None else config.buffer_steps + 64
         router.sock.setsockopt(zmq.SNDHWM, hwm)
+        if guard is not None:
+            guard.server(router, f"the KV event replay ROUTER of DP rank {dp_rank}")
         try:
             replay_bound = _attach(
                 router, replay_endpoint, bind=True, what="replay ROUTER", dp_rank=dp_rank
             )
         except ConfigError:
             pub.close()
+            if guard is not None:
+                guard.close()
             raise
     queue = BatchQueue(config.max_queue_size, trio.lowlevel.current_trio_token())
     publisher = KVEventPublisher(
@@ -662,6 +700,8 @@ async def open_kv_publisher(
         pub.close()
         if router is not None:
             router.close()
+        if guard is not None:
+            guard.close()
 
 
 @final

@@ -22,6 +22,12 @@ deduplication and gap logic is
 :class:`tspd.core.seqtrack.SeqTracker`; this module only moves bytes and time.
 Payloads in TokenSpeed's array form and vLLM's map form are both decoded, so the
 same subscriber follows TokenSpeed, vLLM and SGLang engines.
+
+Secure mode (``curve=``, docs/security.md): a SUB or DEALER that connects is a CURVE
+client of the publisher's key (:attr:`EventSource.server_key`), so a publisher
+without that key's secret never completes a handshake and nothing it sends is read;
+a SUB that binds is a CURVE server behind the ZAP handler's allow-list, and with a
+``server_key`` keeps only the messages whose CURVE identity is that key.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Final, TypeAlias, final
+from typing import TYPE_CHECKING, Final, TypeAlias, final
 
 import trio
 import zmq
@@ -51,8 +57,12 @@ from tspd.core.seqtrack import (
     TrackerStats,
 )
 from tspd.core.seqtrack import PublisherRestarted as _Restarted
+from tspd.log import RateLimitedLog
 from tspd.shell.nursery import single_error
 from tspd.shell.zmq import MAX_MESSAGE_FRAMES, TrioSocket, open_socket
+
+if TYPE_CHECKING:
+    from tspd.shell.security import CurveGuard, CurveKeys
 
 __all__ = [
     "MAX_BATCH_BYTES",
@@ -96,13 +106,15 @@ class EventSource:
     ``endpoint`` is the publisher's PUB address to connect to (or, with
     ``bind=True``, the address to bind when the publisher connects, TokenSpeed's
     non-wildcard case); ``replay_endpoint`` its ROUTER, if any. ``name`` labels
-    everything this source yields (default: the endpoint).
+    everything this source yields (default: the endpoint). ``server_key``: the
+    publisher's CURVE public key (Z85), for a secure subscriber (docs/security.md).
     """
 
     endpoint: str
     replay_endpoint: str | None = None
     name: str = ""
     bind: bool = False
+    server_key: str | None = None
 
     @property
     def label(self) -> str:
@@ -205,7 +217,22 @@ class _SourceFeed:
         tracker: SeqTracker,
         out: trio.MemorySendChannel[list[SubscriberItem]],
         max_batch_bytes: int = MAX_BATCH_BYTES,
+        curve: CurveGuard | None = None,
     ) -> None:
+        if (
+            curve is not None
+            and source.server_key is None
+            and (not source.bind or source.replay_endpoint is not None)
+        ):
+            raise ConfigError(
+                f"a secure KV event subscriber needs the publisher's CURVE key for "
+                f"{source.label} (EventSource.server_key)"
+            )
+        #: Secure bind mode: the only identity whose messages are read.
+        self._expect = source.server_key if curve is not None and source.bind else None
+        #: Messages dropped for coming from another identity.
+        self.foreign = 0
+        self._foreign_log = RateLimitedLog(log)
         self.source = source
         self.label = source.label
         self.tracker = tracker
@@ -223,6 +250,12 @@ class _SourceFeed:
         self.dealer: TrioSocket | None = None
         try:
             self.sub.sock.setsockopt(zmq.SUBSCRIBE, topic)
+            if curve is not None:
+                if source.bind:
+                    curve.server(self.sub, f"the KV event SUB for {source.label}")
+                else:
+                    assert source.server_key is not None
+                    curve.client(self.sub, source.server_key)
             if source.bind:
                 self.sub.sock.bind(source.endpoint)
             else:
@@ -236,6 +269,9 @@ class _SourceFeed:
                     name=f"KV event replay DEALER for {source.label}",
                 )
                 self.dealer.sock.setsockopt(zmq.RCVHWM, 0)
+                if curve is not None:
+                    assert source.server_key is not None
+                    curve.client(self.dealer, source.server_key)
                 self.dealer.sock.connect(source.replay_endpoint)
         except zmq.ZMQError as exc:
             self.close()
@@ -256,9 +292,28 @@ class _SourceFeed:
                 nursery.start_soon(self._replay_loop, self.dealer)
             nursery.start_soon(self._timer_loop)
 
+    async def _receive_live(self) -> list[list[bytes]]:
+        if self._expect is None:
+            return await self.sub.recv_batch(_RECV_BATCH, _RECV_BYTES)
+        messages = await self.sub.recv_batch_from(_RECV_BATCH, _RECV_BYTES)
+        kept = [frames for frames, sender in messages if sender == self._expect]
+        if len(kept) < len(messages):
+            self.foreign += len(messages) - len(kept)
+            self._foreign_log.warning(
+                self.label,
+                "foreign",
+                "%s: ignored %d KV event messages from CURVE identities other than the "
+                "publisher's %s (%d so far)",
+                self.label,
+                len(messages) - len(kept),
+                self._expect,
+                self.foreign,
+            )
+        return kept
+
     async def _live_loop(self) -> None:
         while True:
-            messages = await self.sub.recv_batch(_RECV_BATCH, _RECV_BYTES)
+            messages = await self._receive_live()
             now = trio.current_time()
             live = self.tracker.live
             for frames in messages:
@@ -451,6 +506,7 @@ async def open_kv_subscriber(
     max_buffered: int = 64,
     ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
     max_batch_bytes: int = MAX_BATCH_BYTES,
+    curve: CurveKeys | None = None,
 ) -> AsyncIterator[KVEventSubscriber]:
     """Follow ``sources`` until the block exits.
 
@@ -461,6 +517,8 @@ async def open_kv_subscriber(
     the sockets stop being read (then libzmq's high-water marks drop live batches,
     and the gaps are healed by replay). ``max_batch_bytes``: the largest payload
     accepted (:data:`MAX_BATCH_BYTES`); a larger batch is never received.
+    ``curve``: this process's CURVE keys and allow-list (secure mode, see the module
+    doc); each source then needs its publisher's ``server_key``.
     """
     if not sources:
         raise ValueError("open_kv_subscriber needs at least one EventSource")
@@ -470,6 +528,11 @@ async def open_kv_subscriber(
     context = ctx if ctx is not None else zmq.Context.instance()
     send, receive = trio.open_memory_channel[list[SubscriberItem]](max_buffered)
     feeds: dict[str, _SourceFeed] = {}
+    guard: CurveGuard | None = None
+    if curve is not None:
+        from tspd.shell.security import CurveGuard
+
+        guard = CurveGuard(context, curve, "the KV event subscriber")
     try:
         for source in sources:
             tracker = SeqTracker(
@@ -478,7 +541,7 @@ async def open_kv_subscriber(
                 replay_timeout=replay_timeout,
             )
             feeds[source.label] = _SourceFeed(
-                source, context, topic.encode(), tracker, send, max_batch_bytes
+                source, context, topic.encode(), tracker, send, max_batch_bytes, guard
             )
         subscriber = KVEventSubscriber(feeds, receive)
         with single_error():  # the caller sees its own error, not our task group
@@ -492,5 +555,7 @@ async def open_kv_subscriber(
     finally:
         for feed in feeds.values():
             feed.close()
+        if guard is not None:
+            guard.close()
         send.close()
         receive.close()

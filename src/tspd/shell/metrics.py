@@ -68,25 +68,27 @@ metric                                       kind      labels
 
 ``tspd_rejected_messages_total`` counts the control and status messages a peer
 refused, by :class:`tspd.core.commands.RejectReason` (``malformed-header``,
-``registration-refused``, ``preallocation-refused``, ``malformed-status``...);
+``registration-refused``, ``preallocation-refused``, ``malformed-status``, and in
+secure mode ``wrong-identity``: docs/security.md...);
 the log lines about them are rate-limited per peer and reason
 (:class:`tspd.log.LogLimits`).
 
 ``tspd_bootstrap_rejected_requests_total`` counts the requests and connections a
 bootstrap server refused, by reason (``tspd.core.bootstrap.REFUSAL_REASONS``:
-``bad_field``, ``conflict``, ``connection_limit``, ``request_timeout``...).
+``bad_field``, ``conflict``, ``connection_limit``, ``request_timeout``, and for a
+secure server ``unauthorized``, ``identity_conflict``, ``tls_required``...).
 
 ``tspd_kv_transfer_latency_seconds`` is a successful Prefill room's transfer
-phase: from its first chunk going to the workers to its final write (spec §10's
-latency, per room, queueing on the workers included).
+phase: from its first chunk going to the workers to its final write (the latency of
+docs/protocol.md#proto-metrics, per room, queueing on the workers included).
 ``tspd_transfer_write_seconds`` is one write to one destination session, every
 engine call of it (the transport's share; R-pd observes each ``write_copies``).
 Its ``_sum`` divided into ``tspd_transfer_bytes_total`` is the achieved rate.
 
 TokenSpeed's own three KV-transfer metrics have no fixed names in any source
-(spec §10); with ``tokenspeed=TokenSpeedLabels(model_name, app_key)`` the Prefill
-peers also export them under the names the specification suggests, labelled
-``model_name``, ``app_key``, ``dp_rank``, for dashboards built on those:
+(docs/protocol.md#proto-metrics); with ``tokenspeed=TokenSpeedLabels(model_name,
+app_key)`` the Prefill peers also export them under these ``tokenspeed:`` names,
+labelled ``model_name``, ``app_key``, ``dp_rank``, for dashboards built on them:
 ``tokenspeed:kv_transfer_failures_total`` (once per failed room),
 ``tokenspeed:kv_transfer_timeouts_total{stage}`` (``bootstrapping``) and
 ``tokenspeed:kv_transfer_latency_seconds`` (per successful destination write, as

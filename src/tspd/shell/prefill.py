@@ -20,6 +20,12 @@ the world. The peer's nursery owns:
 * the **bootstrap registration** — one ``PUT /route`` to the instance's bootstrap
   server (failure is logged, not fatal, as in TokenSpeed).
 
+In secure mode (``PrefillSettings.security`` with CURVE keys, docs/security.md) the
+control socket is a CURVE server behind the ZAP handler's allow-list, the ``PUT``
+carries its public key (:data:`~tspd.core.bootstrap.CURVE_KEY_FIELD`), every control
+message reaches the core with its sender's identity, and each status goes out as a
+CURVE client of the identity that registered the Decode session replying there.
+
 Every core call is followed by :meth:`PrefillPeer._pump`, which executes the
 commands it queued, in order. The scheduler-side API (``register_request``,
 ``poll``, ``abort``, ``record_usage``, ``has_in_flight``) runs in the Trio
@@ -41,7 +47,7 @@ from typing import Any, final
 import trio
 import zmq
 
-from tspd.core.bootstrap import build_route_payload
+from tspd.core.bootstrap import CURVE_KEY_FIELD, build_route_payload
 from tspd.core.commands import (
     CloseRoute,
     Command,
@@ -66,6 +72,7 @@ from tspd.shell.metrics import TspdMetrics
 from tspd.shell.nursery import single_error
 from tspd.shell.observe import PeerObserver
 from tspd.shell.pushes import DEFAULT_IDLE_TTL, DEFAULT_MAX_SOCKETS, PushPool
+from tspd.shell.security import CurveGuard, SecurityConfig
 from tspd.shell.steps import StepCounter
 from tspd.shell.threadsafe import LoopPortal
 from tspd.shell.timer import DeadlineTimer
@@ -104,7 +111,9 @@ class PrefillSettings:
     /route`` body, with ``extra_payload`` merged over it. ``control_batch`` caps
     how many control messages one drain takes before other tasks run.
     ``push_sockets``/``push_idle_ttl``: the push pool's bound and idle TTL
-    (:class:`~tspd.shell.pushes.PushPool`).
+    (:class:`~tspd.shell.pushes.PushPool`). ``security``: secure mode (CURVE keys
+    for the sockets, TLS and token for the bootstrap client; docs/security.md);
+    ``None`` is plain mode.
     """
 
     host: str = "127.0.0.1"
@@ -116,6 +125,7 @@ class PrefillSettings:
     control_batch: int = 256
     push_sockets: int = DEFAULT_MAX_SOCKETS
     push_idle_ttl: float = DEFAULT_IDLE_TTL
+    security: SecurityConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +160,11 @@ class PrefillPeer:
         control_port: int,
         host: str,
         observer: PeerObserver | None = None,
+        curve: CurveGuard | None = None,
     ) -> None:
         self.core = core
+        #: Secure mode's CURVE keys and ZAP domain (``None`` in plain mode).
+        self.curve = curve
         #: Logs, metrics and traces of this rank (:mod:`tspd.shell.observe`).
         self.observer = observer or PeerObserver("prefill", core.config.tp_rank)
         self.engine = engine
@@ -400,6 +413,8 @@ class PrefillPeer:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         task_status.started()
+        if self.curve is not None:
+            await self._control_secure(sock, batch)
         while True:
             messages = await sock.recv_batch(batch)
             now = trio.current_time()
@@ -407,6 +422,18 @@ class PrefillPeer:
                 try:
                     self.core.receive_control(frames, now)
                 except Exception:  # the control loop never dies (spec §4.1)
+                    log.exception("Unexpected CachePD bootstrap message failure")
+            self._pump(activity=True)
+
+    async def _control_secure(self, sock: TrioSocket, batch: int) -> None:
+        """The control loop of secure mode: each message with its CURVE identity."""
+        while True:
+            messages = await sock.recv_batch_from(batch)
+            now = trio.current_time()
+            for frames, sender in messages:
+                try:
+                    self.core.receive_control(frames, now, sender)
+                except Exception:  # never dies (docs/protocol.md#proto-control-dispatch)
                     log.exception("Unexpected CachePD bootstrap message failure")
             self._pump(activity=True)
 
@@ -424,6 +451,8 @@ class PrefillPeer:
         )
         payload.update(settings.extra_payload)
         payload["rank_port"] = self.control_port
+        if self.curve is not None:
+            payload[CURVE_KEY_FIELD] = self.curve.public_key
         try:
             await client.put_route(settings.bootstrap_addr, payload)
         except TspdError as err:
@@ -479,7 +508,9 @@ class PrefillOutbox:
         return self._portal.post(lambda: self._peer.arm_layerwise(rows))
 
 
-def _bind_control(host: str, context: zmq.Context[zmq.Socket[bytes]]) -> tuple[TrioSocket, int]:
+def _bind_control(
+    host: str, context: zmq.Context[zmq.Socket[bytes]], curve: CurveGuard | None = None
+) -> tuple[TrioSocket, int]:
     sock = open_socket(
         context,
         zmq.PULL,
@@ -488,6 +519,8 @@ def _bind_control(host: str, context: zmq.Context[zmq.Socket[bytes]]) -> tuple[T
         name="Prefill control socket",
     )
     try:
+        if curve is not None:
+            curve.server(sock, "the Prefill control socket")
         port = bind_free_port(sock, host)
     except BaseException:
         sock.close()
@@ -527,13 +560,26 @@ async def open_prefill_peer(
             config, arena_base=arena.base, arena_len=arena.size, session_id=engine.session_id
         )
     )
+    security = settings.security
+    curve = (
+        CurveGuard(ctx, security.curve, f"Prefill rank {config.tp_rank}")
+        if security is not None and security.curve is not None
+        else None
+    )
     pushes = PushPool(
         ctx,
         name=f"Prefill rank {config.tp_rank}",
         max_sockets=settings.push_sockets,
         idle_ttl=settings.push_idle_ttl,
+        curve=curve,
+        server_key=core.route_identity if curve is not None else None,
     )
-    control, port = _bind_control(settings.host, ctx)
+    try:
+        control, port = _bind_control(settings.host, ctx, curve)
+    except BaseException:
+        if curve is not None:
+            curve.close()
+        raise
     peer = PrefillPeer(
         core,
         engine=engine,
@@ -546,13 +592,17 @@ async def open_prefill_peer(
         observer=PeerObserver(
             "prefill", config.tp_rank, metrics=metrics, slow_after=config.trace.slow_after
         ),
+        curve=curve,
     )
     peer.observer.watch(core, peer.statistics)
     try:
         engine.register_memory(arena.base, arena.size)
         peer._memory_registered = True
         with single_error():
-            async with BootstrapClient() as client, trio.open_nursery() as nursery:
+            async with (
+                BootstrapClient(security=security) as client,
+                trio.open_nursery() as nursery,
+            ):
                 await nursery.start(pushes.run)
                 await nursery.start(peer._timer.run)
                 await nursery.start(peer._workers.run)
@@ -570,6 +620,8 @@ async def open_prefill_peer(
     finally:
         peer.observer.close()
         control.close()
+        if curve is not None:
+            curve.close()
         if peer._memory_registered:
             try:
                 engine.unregister_memory(arena.base)

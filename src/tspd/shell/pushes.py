@@ -36,6 +36,12 @@ room's timeouts settle it. An endpoint libzmq refuses, or any other socket
 error, never escapes: the socket is closed and ``send_nowait`` returns the
 reason, so the peer fails only that route's rooms. No task ever waits on these
 sockets, so the one-FD-waiter rule of :mod:`tspd.shell.zmq` holds trivially.
+
+In secure mode (``curve``, docs/security.md) every socket is a CURVE client whose
+server key ``server_key(endpoint, port)`` names when the socket opens: the key the
+bootstrap route gave for a Prefill rank, or the identity that registered a Decode
+session. A route without a known key is refused like an unusable address: secure
+mode never sends in plain.
 :meth:`PushPool.run` is the owner task: it keeps the pool open, closes idle
 sockets, and closes every socket when the peer stops.
 """
@@ -46,15 +52,18 @@ import heapq
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, final
+from typing import TYPE_CHECKING, Final, final
 
 import trio
 import zmq
 
 from tspd.log import component_logger
 from tspd.shell.zmq import TrioSocket, open_socket
+
+if TYPE_CHECKING:
+    from tspd.shell.security import CurveGuard
 
 __all__ = [
     "DEFAULT_IDLE_TTL",
@@ -108,6 +117,10 @@ def endpoint_url(endpoint: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+class _NoServerKey(Exception):
+    """Secure mode: the route has no known CURVE server key."""
+
+
 @dataclass(slots=True)
 class PushStats:
     """Counters of a :class:`PushPool`. ``sockets``: open now, lingering ones
@@ -139,6 +152,7 @@ class PushPool:
 
     ``idle_ttl``: seconds unused before a socket is closed (``math.inf``: never).
     ``flush_window``: how long after its last send a released socket lingers.
+    ``curve``/``server_key``: secure mode (see the module doc).
     """
 
     def __init__(
@@ -149,7 +163,13 @@ class PushPool:
         max_sockets: int = DEFAULT_MAX_SOCKETS,
         idle_ttl: float = DEFAULT_IDLE_TTL,
         flush_window: float = FLUSH_WINDOW_S,
+        curve: CurveGuard | None = None,
+        server_key: Callable[[str, int], str | None] | None = None,
     ) -> None:
+        if curve is not None and server_key is None:
+            raise ValueError("a secure push pool needs the server_key of each route")
+        self._curve = curve
+        self._server_key = server_key
         if max_sockets < 1:
             raise ValueError(f"a push pool needs room for at least 1 socket, got {max_sockets}")
         if not idle_ttl > 0:
@@ -197,10 +217,10 @@ class PushPool:
         try:
             entry = self._sockets.get(url)
             if entry is None:
-                entry = self._connect(url, now)
+                entry = self._connect(url, now, endpoint, port)
             entry.last = now
             sent = entry.sock.send_multipart_nowait(frames)
-        except zmq.ZMQError as err:
+        except (zmq.ZMQError, _NoServerKey) as err:
             return self._failed(url, room, err)
         if sent:
             self.stats.sent += 1
@@ -256,11 +276,22 @@ class PushPool:
         self._prune_lingering(now)
         self._count()
 
-    def _connect(self, url: str, now: float) -> _Entry:
+    def _connect(self, url: str, now: float, endpoint: str, port: int) -> _Entry:
+        key: str | None = None
+        if self._curve is not None:
+            assert self._server_key is not None
+            key = self._server_key(endpoint, port)
+            if key is None:
+                raise _NoServerKey(
+                    "secure mode: no CURVE server key is known for this route (no "
+                    "authenticated peer replies there); refusing to send in plain"
+                )
         self._make_room(now)
         sock = open_socket(self._context, zmq.PUSH)
         try:
             sock.sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+            if self._curve is not None and key is not None:
+                self._curve.client(sock, key)
             sock.sock.connect(url)
         except BaseException:
             sock.close()
@@ -305,7 +336,7 @@ class PushPool:
     def _count(self) -> None:
         self.stats.sockets = len(self._sockets) + len(self._lingering)
 
-    def _failed(self, url: str, room: int | None, err: zmq.ZMQError) -> str:
+    def _failed(self, url: str, room: int | None, err: Exception) -> str:
         entry = self._sockets.pop(url, None)
         if entry is not None:
             entry.sock.close()

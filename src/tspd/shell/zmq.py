@@ -230,6 +230,54 @@ class TrioSocket:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return out
 
+    async def recv_batch_from(
+        self, max_msgs: int = 256, max_bytes: int | None = None
+    ) -> list[tuple[list[bytes], str]]:
+        """:meth:`recv_batch` for a CURVE server socket: every message with its
+        sender's ``User-Id`` (what the ZAP handler set: the client's Z85 public key;
+        ``""`` when the message has none, e.g. on a socket without a ZAP handler)."""
+        if max_msgs < 1:
+            raise ValueError(f"max_msgs must be at least 1, got {max_msgs}")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        out: list[tuple[list[bytes], str]] = []
+        budget = max_bytes if max_bytes is not None else -1
+        while True:
+            self._check_open()
+            try:
+                while len(out) < max_msgs:
+                    message = self._recv_from_now()
+                    out.append(message)
+                    if budget >= 0:
+                        budget -= sum(map(len, message[0]))
+                        if budget <= 0:
+                            break
+            except zmq.Again:
+                if not out:
+                    await self._wait(_POLLIN)
+                    continue
+            self._kick()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return out
+
+    def _recv_from_now(self) -> tuple[list[bytes], str]:
+        """:meth:`_recv_now` that also reads the first frame's ``User-Id``."""
+        frame = self.sock.recv(_NOBLOCK, False)
+        try:
+            user = frame.get("User-Id")
+        except zmq.ZMQError:
+            user = ""
+        parts = [frame.bytes]
+        recv = self.sock.recv
+        for _ in self._more_frames:
+            if not frame.more:
+                return parts, user if isinstance(user, str) else ""
+            frame = recv(_NOBLOCK, False)
+            parts.append(frame.bytes)
+        if frame.more:
+            self._drop_rest(frame, len(parts))
+            raise zmq.Again()
+        return parts, user if isinstance(user, str) else ""
+
     def recv_multipart_nowait(self) -> list[bytes] | None:
         """Receive one message if one is queued, else return ``None`` (never blocks)."""
         self._check_open()
