@@ -13,11 +13,11 @@ logging (its own handlers see every record, as usual) or calls
 :func:`configure_logging`, which the ``tspd`` commands do. That renders the fields
 as ``key=value`` after the message, or one JSON object per line.
 
-How much to log (``notes/environment.md`` §9: TokenSpeed's INFO logging costs ~30 %
-of its rooms/s): one line per *failure* with its reason and class, never one per
-room. A successful room's story is in its trace and the metrics, not the log.
-:func:`log_command` applies that to the cores' :class:`~tspd.core.commands.Log`
-and :class:`~tspd.core.commands.RoomFailed` commands.
+How much to log (docs/configuration.md#logging; TokenSpeed's INFO logging costs ~30 % of
+its rooms/s): one line per *failure* with its reason and class, never one per room. A
+successful room's story is in its trace and the metrics, not the log.
+:func:`log_command` applies that to the cores' :class:`~tspd.core.commands.Log` and
+:class:`~tspd.core.commands.RoomFailed` commands.
 
 What a peer, a client or the network sends must not flood the log either: a line
 about something refused goes through a :class:`RateLimitedLog`, which writes at most
@@ -181,8 +181,8 @@ def log_command(
     ``timeout_stage`` for a timeout): the cores emit one :class:`RoomFailed` per
     failed room and no other line about it. A rejected message is one line at its
     level. With ``limits`` (a peer's :class:`LogLimits`), what a peer can repeat at
-    will is rate-limited: rejections per ``(peer, reason)``, failures per reason
-    class beyond a burst, each with a suppressed count.
+    will is rate-limited: rejections per reason, failures per reason class, each
+    beyond a burst and with a suppressed count.
     """
     if isinstance(command, RoomFailed):
         if logger.isEnabledFor(logging.WARNING):
@@ -215,14 +215,18 @@ def log_command(
                 extra = {"peer": command.peer, "reason": str(command.reason), **context}
                 logger.log(level, "%s", command.message, extra=fields(room=command.room, **extra))
         else:
+            # Keyed by reason alone: the peer a message names is whatever its sender
+            # chose (a PULL socket does not say who sent), so an attacker could
+            # rotate it to get a line per message. The name is still a field.
             limits.rejections.log(
                 level,
-                command.peer,
+                RateLimitedLog.OTHER_PEERS,
                 str(command.reason),
                 "%s",
                 command.message,
                 exc_info=False,
                 room=command.room,
+                claimed_peer=command.peer,
                 **context,
             )
         return True
@@ -237,7 +241,8 @@ def log_command(
 @final
 class LogLimits:
     """The rate limits of one peer's log lines about what others send it:
-    ``rejections`` (one line per ``(peer, reason)`` every ``interval`` seconds) and
+    ``rejections`` (up to 5 lines per reason every ``interval`` seconds, whatever
+    peer the messages name) and
     ``failures`` (up to ``failure_burst`` failed-room lines per reason class every
     ``interval`` seconds, then a count). See :func:`log_command`."""
 
@@ -249,7 +254,7 @@ class LogLimits:
         failure_burst: int = 100,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.rejections = RateLimitedLog(logger, interval=interval, clock=clock)
+        self.rejections = RateLimitedLog(logger, interval=interval, burst=5, clock=clock)
         self.failures = RateLimitedLog(
             logger, interval=interval, burst=failure_burst, max_keys=64, clock=clock
         )

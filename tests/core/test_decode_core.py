@@ -1,5 +1,6 @@
-"""DecodeCore: route planning, registrations, completions, heartbeats and every §7.5
-failure reason, driven with Prefill cores through CorePair in virtual time."""
+"""DecodeCore: route planning, registrations, completions, heartbeats and every failure
+reason of docs/protocol.md#proto-decode-room-table, driven with Prefill cores through
+CorePair in virtual time."""
 
 from __future__ import annotations
 
@@ -203,9 +204,9 @@ def _two_prefill_ranks() -> CorePair:
 
 
 def test_transferring_from_an_expected_rank_is_a_monotonic_update() -> None:
-    """Spec §7.5: a status other than Success/Failed moves the room monotonically. It
-    shows in the poll value and the trace, never completes the room, and a later
-    lower status does not move it back."""
+    """docs/protocol.md#proto-decode-room-table: a status other than Success/Failed
+    moves the room monotonically. It shows in the poll value and the trace, never
+    completes the room, and a later lower status does not move it back."""
     pair = _two_prefill_ranks()
     try:
         core = pair.decode[0]
@@ -442,8 +443,11 @@ def test_waiting_deadlines_follow_forgotten_and_reused_rooms() -> None:
     assert pair.poll_decode() == [
         Failed("r3", "Request 3 timed out after 101.0s in TransferPoll.WaitingForInput")
     ]
-    assert core.poll_values(pair.now) == [int(TransferPoll.WAITING_FOR_INPUT)]
+    # Room 1 waits; rooms 2 and 3 timed out with their writes possibly coming, so
+    # their pages stay held (one value each after the requests': 0 = hold).
+    assert core.poll_values(pair.now) == [int(TransferPoll.WAITING_FOR_INPUT), 0, 0]
     assert core.statistics()["waiting"] == 1
+    assert core.statistics()["held_rooms"] == 2
     pair.close()
 
 

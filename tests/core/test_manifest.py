@@ -1,4 +1,6 @@
-"""Logical slots (§5.4), block manifests (§5.5) and layerwise selection (§5.6)."""
+"""Logical slots (docs/protocol.md#proto-logical-slots), block manifests
+(docs/protocol.md#proto-manifest) and layerwise selection
+(docs/protocol.md#proto-layerwise-selection)."""
 
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ def grouped_contract(num_lcm_blocks: int = 31) -> CacheContract:
     return CacheContract(plan, tuple(specs), TransferSchema())
 
 
-# --------------------------------------------------------------------- §5.4 slots
+# -------------------------------------------- slots (docs/protocol.md#proto-logical-slots)
 
 
 @pytest.mark.parametrize(
@@ -636,3 +638,19 @@ def test_room_manifest_helper_is_valid() -> None:
     m = room_manifest(CONTRACT, 10, 4)
     validate_manifest(m, CONTRACT, "destination")
     assert m == manifest((1, 2), (1,), 4, 10)
+
+
+def test_a_huge_prompt_len_from_a_peer_is_a_contract_error_not_an_overflow() -> None:
+    from tspd.core.errors import ContractError
+    from tspd.core.manifest import parse_manifest, validate_manifest
+    from tspd.testing.layouts import simple_contract
+
+    contract = simple_contract(num_pages=8, page_bytes=64)
+    group = contract.group_ids[0]
+    payload = (
+        f'{{"groups":[{{"group_id":"{group}","block_ids":[1,2]}}],"prefix_len":0,'
+        '"prompt_len":1180591620717411303424}'
+    ).encode()
+    manifest = parse_manifest(payload)
+    with pytest.raises(ContractError, match="block count disagrees"):
+        validate_manifest(manifest, contract, "destination")

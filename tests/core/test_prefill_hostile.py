@@ -11,7 +11,12 @@ import pytest
 from tspd.core import wire
 from tspd.core.commands import Bootstrapped, Failed
 from tspd.core.machines import RoomState
-from tspd.core.prefill import FAILED_ROOM_MEMORY, MAX_UNCLAIMED_ROOMS, REJECTED_SESSION_MEMORY
+from tspd.core.prefill import (
+    FAILED_ROOM_MEMORY,
+    MAX_REGISTRATIONS,
+    MAX_UNCLAIMED_ROOMS,
+    REJECTED_SESSION_MEMORY,
+)
 from tspd.testing.core_pair import CorePair
 from tspd.testing.layouts import room_manifest, simple_contract
 
@@ -111,3 +116,43 @@ def test_rooms_failed_by_forged_preallocations_are_bounded(pair: CorePair) -> No
     # The oldest went first; the newest is still there.
     assert core.room_state(0) is RoomState.ABSENT
     assert core.room_state(MAX_UNCLAIMED_ROOMS + 9) is RoomState.FAILED
+
+
+def test_registrations_are_bounded_by_forgetting_idle_sessions(pair: CorePair) -> None:
+    core = pair.prefill[0]
+    pair.full_journey("a", 1, PROMPT)  # the real Decode's session is registered
+    real = CorePair.decode_session(0)
+    assert core.is_registered(real)
+    frames = list(wire.encode_registration(_registration_like(pair)))
+    for i in range(MAX_REGISTRATIONS + 20):
+        frames[3] = f"127.0.0.1:{30000 + i}".encode()  # a restarted Decode's session
+        core.receive_control(frames, pair.now)
+        core.drain_commands()
+    assert core.statistics()["registrations"] == MAX_REGISTRATIONS
+    assert not core.is_registered(real)  # the least recently used, idle, went first
+
+
+def test_a_full_table_of_busy_sessions_refuses_new_ones(pair: CorePair) -> None:
+    import tspd.core.prefill as prefill_module
+
+    core = pair.prefill[0]
+    pair.register_decode("a", 1)
+    pair.poll_decode()
+    pair.preallocate(1, PROMPT)  # the real session now has a room in flight
+    frames = list(wire.encode_registration(_registration_like(pair)))
+    limit = prefill_module.MAX_REGISTRATIONS
+    prefill_module.MAX_REGISTRATIONS = 1
+    try:
+        frames[3] = b"127.0.0.1:39999"
+        core.receive_control(frames, pair.now)
+        refused = [c for c in core.drain_commands() if getattr(c, "message", "")]
+    finally:
+        prefill_module.MAX_REGISTRATIONS = limit
+    assert core.is_registered(CorePair.decode_session(0))
+    assert not core.is_registered("127.0.0.1:39999")
+    assert any("every one with a room in flight" in c.message for c in refused)  # type: ignore[attr-defined]
+
+
+def _registration_like(pair: CorePair) -> wire.Registration:
+    frames = pair.decode[0]._registration_frames
+    return wire.decode_registration(list(frames))

@@ -11,7 +11,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tspd.core.commands import Event, Failed, RemotePrefillDone, Succeeded
+from tspd.core.commands import Event, Failed, PagesReleased, RemotePrefillDone, Succeeded
 from tspd.core.errors import ProtocolError
 from tspd.core.machines import (
     DECODE_ROOM,
@@ -84,7 +84,8 @@ def _table_machine(declaration: MachineDeclaration, compiled: CompiledMachine) -
     triggers = st.sampled_from(declaration.triggers)
 
     class TableMachine(RuleBasedStateMachine):
-        """Random trigger sequences; the table must keep §7.2's rules."""
+        """Random trigger sequences; the table must keep the rules of
+        docs/protocol.md#proto-room-table."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -231,9 +232,11 @@ PAIR_ROOMS = st.integers(min_value=1, max_value=4)
 
 class PairMachine(RuleBasedStateMachine):
     """A Prefill core and a Decode core under random requests, pre-allocations,
-    hand-overs, aborts, write failures, lost messages and time. Invariants: Failed
-    is sticky, progress is monotonic, an ended request is never reported again, and
-    nothing is left once every room ended."""
+    hand-overs, aborts, write failures, lost messages, delayed writes and time, with
+    a Decode scheduler that reuses a room's pages as soon as it is allowed.
+    Invariants: Failed is sticky, progress is monotonic, an ended request is never
+    reported again, no write lands on pages its room does not own (write fencing),
+    and nothing is left once every room ended."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -241,6 +244,9 @@ class PairMachine(RuleBasedStateMachine):
         self.generation = 0
         self.rid_of: dict[int, str] = {}
         self.ended_rids: set[str] = set()
+        #: Failed requests whose pages the Decode must keep until PagesReleased.
+        self.held: set[str] = set()
+        self.handed: set[str | None] = set()
         self.ended_on: set[tuple[str, str]] = set()
         self.seen: dict[tuple[str, int], RoomState] = {}
 
@@ -274,7 +280,13 @@ class PairMachine(RuleBasedStateMachine):
     @rule(room=PAIR_ROOMS)
     def hand_over(self, room: int) -> None:
         core = self.pair.prefill[0]
-        if core.room_state(room) is RoomState.BOOTSTRAPPED and room in core.tracked_rooms():
+        rid = self.rid_of.get(room)
+        if (
+            rid not in self.handed
+            and core.room_state(room) is RoomState.BOOTSTRAPPED
+            and room in core.tracked_rooms()
+        ):
+            self.handed.add(rid)
             self.pair.hand_over(room, _PROMPT)
 
     @rule(room=PAIR_ROOMS)
@@ -297,6 +309,23 @@ class PairMachine(RuleBasedStateMachine):
         else:
             self.pair.dropped_ports.discard(8000)
 
+    @rule(delayed=st.booleans())
+    def writes_are_delayed(self, delayed: bool) -> None:
+        """Delayed: transfers wait in their workers' queues until run_transfers."""
+        self.pair.auto_transfer = not delayed
+        if not delayed:
+            self.pair.run_transfers()
+            self.pair.pump()
+
+    @rule()
+    def delayed_writes_land(self) -> None:
+        self.pair.run_transfers()
+        self.pair.pump()
+
+    @invariant()
+    def no_write_lands_on_pages_its_room_does_not_own(self) -> None:
+        assert not self.pair.fencing_violations, self.pair.fencing_violations[:4]
+
     @rule(frames=st.lists(st.binary(max_size=12), max_size=4))
     def garbage_control(self, frames: list[bytes]) -> None:
         self.pair.prefill[0].receive_control(frames, self.pair.now)
@@ -315,7 +344,14 @@ class PairMachine(RuleBasedStateMachine):
 
     def _record(self, side: str, events: list[Event]) -> None:
         for event in events:
+            if isinstance(event, PagesReleased):
+                assert side == "decode", event
+                assert event.rid in self.held, event
+                self.held.discard(event.rid)
+                continue
             assert (side, event.rid) not in self.ended_on, f"{side}: {event} after it ended"
+            if side == "decode" and isinstance(event, Failed) and event.pages_held:
+                self.held.add(event.rid)
             if isinstance(event, _TERMINAL):
                 self.ended_on.add((side, event.rid))
                 self.ended_rids.add(event.rid)
@@ -324,6 +360,7 @@ class PairMachine(RuleBasedStateMachine):
         for room, rid in list(self.rid_of.items()):
             if (
                 rid in self.ended_rids
+                and rid not in self.held
                 and room not in self.pair.decode[0].tracked_rooms()
                 and room not in self.pair.prefill[0].tracked_rooms()
             ):
@@ -367,6 +404,9 @@ class PairMachine(RuleBasedStateMachine):
         pair = self.pair
         pair.write_errors.clear()
         pair.dropped_ports.clear()
+        pair.auto_transfer = True
+        pair.run_transfers()
+        pair.pump()
         for _ in range(12):
             for room in range(1, 5):
                 if pair.decode[0].room_state(room) is RoomState.BOOTSTRAPPED:

@@ -13,6 +13,9 @@ _BENCHMARKS: dict[str, str] = {
     "events": "tspd.bench.events:events",
     "rooms": "tspd.bench.rooms:rooms",
     "observe": "tspd.bench.observe:observe",
+    "hostile": "tspd.bench.hostile:hostile",
+    "churn": "tspd.bench.churn:churn",
+    "sim": "tspd.bench.sim:sim",
 }
 
 

@@ -19,7 +19,7 @@ The scheduler gets *events* back from ``conclude()``: :class:`Bootstrapped`,
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tspd.core.copies import CopyPlan
 from tspd.core.trace import ReasonClass
@@ -35,6 +35,7 @@ __all__ = [
     "FetchRankInfo",
     "Log",
     "LogLevel",
+    "PagesReleased",
     "RejectReason",
     "Rejected",
     "RemotePrefillDone",
@@ -55,7 +56,8 @@ class SendFrames:
 
     ``endpoint`` is the address the peer published (a Decode registration's frame 1,
     or a Prefill rank's ``rank_ip``); only its part before any ``:`` is the host
-    (spec §3). ``room`` names the room the message is about, for logs.
+    (docs/protocol.md#proto-zmq). ``room`` names the room the message is about, for
+    logs.
     """
 
     endpoint: str
@@ -110,8 +112,8 @@ class StartTransfer:
     """One chunk of a room's KV, every copy planned before the first write.
 
     Run it on transfer worker ``shard`` (sum of the room's destination session ports
-    mod the worker count, spec §6.8), after every earlier chunk queued on that worker:
-    a room's chunks must stay in order. For each interval in order: wait for
+    mod the worker count, docs/protocol.md#proto-batching), after every earlier chunk
+    queued on that worker: a room's chunks must stay in order. For each interval in order: wait for
     ``target_step`` (while waiting, every ~100 ms stop if the core says the room
     ended, and report ``transfer_failed(room, None, f"Cache-transfer layerwise peer
     failed for room {room}", now)`` if a session in ``sessions`` is no longer alive),
@@ -201,6 +203,10 @@ class RejectReason(enum.StrEnum):
     MALFORMED_STATUS = "malformed-status"
     #: A table a peer fills was full: the oldest entry made room.
     TABLE_FULL = "table-full"
+    #: Secure mode: the message's authenticated sender (its CURVE identity) is not
+    #: the peer the message speaks for (a status from another than the room's
+    #: Prefill rank, a session another identity registered). Nothing changes.
+    WRONG_IDENTITY = "wrong-identity"
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,10 +256,27 @@ class Succeeded:
 @dataclass(frozen=True, slots=True)
 class Failed:
     """The request failed on some rank of the group; it is forgotten. ``reason`` is
-    this rank's first recorded reason for the room."""
+    this rank's first recorded reason for the room.
+
+    ``pages_held`` (Decode): the room's pages were handed to the Prefill with a
+    pre-allocation and a Prefill rank may still write them; keep them allocated
+    until :class:`PagesReleased` names the request (write fencing). ``False``:
+    reuse them now."""
 
     rid: str
     reason: str
+    pages_held: bool = field(default=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class PagesReleased:
+    """Decode: the pages of failed request ``rid`` (room ``room``) may be reused: every
+    Prefill rank that could write them has reported the room ended, or the
+    quarantine bound passed (``timed_out``)."""
+
+    rid: str
+    room: int
+    timed_out: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,4 +291,4 @@ class RemotePrefillDone:
     bootstrap_logprob: float | None
 
 
-Event = Bootstrapped | Succeeded | Failed | RemotePrefillDone
+Event = Bootstrapped | Succeeded | Failed | RemotePrefillDone | PagesReleased

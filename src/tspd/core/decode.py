@@ -45,6 +45,7 @@ from tspd.core.commands import (
     FetchRankInfo,
     Log,
     LogLevel,
+    PagesReleased,
     Rejected,
     RejectReason,
     RemotePrefillDone,
@@ -82,6 +83,9 @@ _BOOTSTRAPPED: Final = int(TransferPoll.BOOTSTRAPPED)
 _WAITING_FOR_INPUT: Final = int(TransferPoll.WAITING_FOR_INPUT)
 _TRANSFERRING: Final = int(TransferPoll.TRANSFERRING)
 _SUCCESS: Final = int(TransferPoll.SUCCESS)
+#: A failed request's poll value on a rank whose pages a Prefill rank may still
+#: write: below ``Failed``, so the MIN tells every rank of the group to hold them.
+_PAGES_HELD: Final = -1
 #: Values that conclude a request on this rank.
 _CONCLUDING: Final = frozenset({_SUCCESS, _FAILED})
 #: Agreed values that announce ``Bootstrapped`` (once).
@@ -113,6 +117,9 @@ class DecodeConfig:
     :func:`~tspd.core.contract.check_local_contract` must accept (a
     :class:`~tspd.core.errors.ContractError` otherwise).
     ``trace``: how many finished room traces are kept (:mod:`tspd.core.trace`).
+    ``quarantine_timeout``: the longest a failed room's pages stay held when a
+    Prefill rank that could write them never says the room ended (write fencing;
+    twice Mooncake's default 30 s transfer timeout).
     ``topology``: the engine's parallel topology, when it has one; its TP size and
     rank must match, and a topology tspd cannot plan for (context parallelism) is
     refused here. ``test_failure_prob``/``test_failure_seed``: poll-time fault
@@ -131,6 +138,7 @@ class DecodeConfig:
     port: int
     waiting_timeout: float = 300.0
     heartbeat_max_failures: int = 2
+    quarantine_timeout: float = 60.0
     trace: TraceConfig = field(default_factory=TraceConfig)
     topology: ParallelTopology | None = None
     test_failure_prob: float = 0.0
@@ -141,6 +149,10 @@ class DecodeConfig:
         check_local_contract(self.contract)
         if self.waiting_timeout <= 0:
             raise ConfigError(f"the waiting timeout must be positive, got {self.waiting_timeout}")
+        if self.quarantine_timeout < 0:
+            raise ConfigError(
+                f"the quarantine timeout must not be negative, got {self.quarantine_timeout}"
+            )
         if self.heartbeat_max_failures < 1:
             raise ConfigError(
                 "TOKENSPEED_DISAGGREGATION_HEARTBEAT_MAX_FAILURE must be at least 1, got "
@@ -174,6 +186,20 @@ class _Receiver:
     #: The wire value this rank reports from now on (``Success`` or ``Failed``).
     concluded: int | None = None
     timeout_stage: str | None = None
+    #: This rank's pre-allocation went out: Prefill ranks may write its pages.
+    preallocated: bool = False
+    #: Prefill ranks that reported the room ended (Success or Failed).
+    ended_by: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Held:
+    """A failed room whose pages a Prefill rank may still write (write fencing)."""
+
+    rid: str
+    since: float
+    #: Expected Prefill ranks that have not reported the room ended yet.
+    writers: set[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +250,8 @@ class DecodeCore:
         self._awaiting_rank: dict[tuple[str, int, int], set[int]] = {}
         #: Prefill ranks this rank registered with (the "connection pool").
         self._registered: set[tuple[str, int, int]] = set()
+        #: Failed rooms whose pages may still be written, in the order they failed.
+        self._held: dict[int, _Held] = {}
         #: Cached rank infos being fetched again to check they still hold.
         self._refreshing: set[tuple[str, int, int]] = set()
         #: Rooms per bootstrap address (the heartbeat's room tracker).
@@ -292,8 +320,9 @@ class DecodeCore:
         return self._rooms.failure(room)
 
     def has_in_flight(self) -> bool:
-        """Whether any request is tracked (the scheduler polls only then)."""
-        return bool(self._receivers)
+        """Whether any request is tracked or any failed room's pages are held (the
+        scheduler polls only then)."""
+        return bool(self._receivers) or bool(self._held)
 
     def tracked_rooms(self) -> list[int]:
         """The rooms of tracked requests, ascending."""
@@ -334,6 +363,7 @@ class DecodeCore:
             "addresses": len(self._addresses),
             "rank_infos": len(self._rank_infos),
             "registered_ranks": len(self._registered),
+            "held_rooms": len(self._held),
         }
 
     # ------------------------------------------------------------------ room helpers
@@ -526,7 +556,11 @@ class DecodeCore:
         old = self._rank_infos.get(key)
         if isinstance(info, str) or old is None:
             return  # Liveness is the heartbeat's call; keep what is cached.
-        if (old.rank_ip, old.rank_port) == (info.rank_ip, info.rank_port):
+        if (old.rank_ip, old.rank_port, old.curve_key) == (
+            info.rank_ip,
+            info.rank_port,
+            info.curve_key,
+        ):
             return
         bootstrap_addr, dp_group, engine_rank = key
         self._rank_infos[key] = info
@@ -611,6 +645,7 @@ class DecodeCore:
             info = self._rank_infos[(receiver.addr, route.dp_group, target)]
             frames = full if target in route.expected else empty
             self._commands.append(SendFrames(info.rank_ip, info.rank_port, tuple(frames), room))
+        receiver.preallocated = True
         self._rooms.fire(room, DecodeTrigger.PREALLOCATED)
         self._waiting_since.start(room, now)
         self._waiting_unchecked.start(room, now)
@@ -618,11 +653,20 @@ class DecodeCore:
 
     # ------------------------------------------------------------------ status socket
 
-    def receive_status(self, frames: Sequence[bytes], now: float) -> None:
-        """Handle one status message from a Prefill rank (spec §4.5, §7.5). Malformed
-        messages are logged and dropped; messages for unknown rooms are ignored.
-        ``Success`` and ``Failed`` complete or fail the room; any other status from an
-        expected rank is a monotonic update (:meth:`_progress_from`)."""
+    def receive_status(
+        self, frames: Sequence[bytes], now: float, sender: str | None = None
+    ) -> None:
+        """Handle one status message from a Prefill rank (docs/protocol.md#proto-status,
+        docs/protocol.md#proto-decode-room-table). Malformed messages are logged and
+        dropped; messages for unknown rooms are ignored. ``Success`` and ``Failed``
+        complete or fail the room; any other status from an expected rank is a
+        monotonic update (:meth:`_progress_from`).
+
+        ``sender``: in secure mode, the message's authenticated CURVE identity (its
+        ``User-Id``, docs/security.md). A status whose sender is not the key the
+        bootstrap route gave for the Prefill rank it names is rejected
+        (``wrong-identity``) and touches nothing. ``None`` (plain mode) checks
+        nothing."""
         try:
             message = wire.decode_status(list(frames))
         except TspdError as err:
@@ -630,17 +674,55 @@ class DecodeCore:
                 Rejected(RejectReason.MALFORMED_STATUS, "unknown", str(err), level=LogLevel.WARNING)
             )
             return
+        if sender is not None and not self._sent_by_rank(message, sender):
+            self._commands.append(
+                Rejected(
+                    RejectReason.WRONG_IDENTITY,
+                    sender,
+                    f"rejecting a {message.status.label} status for room {message.room} that "
+                    f"names Prefill rank {message.prefill_rank}: its CURVE identity {sender} "
+                    "is not the key the bootstrap route gave for that rank of the room's route",
+                    message.room,
+                    level=LogLevel.WARNING,
+                )
+            )
+            return
         room = message.room
+        status = message.status
+        if status is TransferPoll.SUCCESS or status is TransferPoll.FAILED:
+            self._ended_by(room, message.prefill_rank)
         state = self._rooms.state(room)
         if state in (RoomState.ABSENT, RoomState.FAILED):
             return
-        status = message.status
         if status is TransferPoll.FAILED:
             self._fail(room, _PREFILL_FAILED, now)
         elif status is TransferPoll.SUCCESS:
             self._completed_by(room, message, now)
         else:
             self._progress_from(room, message, now)
+
+    def _sent_by_rank(self, message: wire.StatusMessage, sender: str) -> bool:
+        """Secure mode: whether ``sender`` is the CURVE key the bootstrap route gave for
+        Prefill rank ``message.prefill_rank`` of the room's route (a room no longer
+        routed: of that rank at any Prefill address this rank knows)."""
+        rank = message.prefill_rank
+        route = self._routes.get(message.room)
+        rid = self._rid_of_room.get(message.room)
+        if route is not None and rid is not None:
+            info = self._rank_infos.get((self._receivers[rid].addr, route.dp_group, rank))
+            return info is not None and info.curve_key == sender
+        return any(k[2] == rank and i.curve_key == sender for k, i in self._rank_infos.items())
+
+    def _ended_by(self, room: int, rank: int) -> None:
+        """Prefill rank ``rank`` says ``room`` ended there: it writes none of the
+        room's pages any more (its write fencing)."""
+        rid = self._rid_of_room.get(room)
+        if rid is not None:
+            self._receivers[rid].ended_by.add(rank)
+            return
+        held = self._held.get(room)
+        if held is not None:
+            held.writers.discard(rank)
 
     def _progress_from(self, room: int, message: wire.StatusMessage, now: float) -> None:
         """A status before ``Success`` (``Bootstrapping`` … ``Transferring``): the room's
@@ -843,19 +925,29 @@ class DecodeCore:
                     reason = self._faults.reason(room)
                     self._fail(room, reason, now, reason_class=ReasonClass.INJECTED)
                     receiver.concluded = value = failed
+            if value == failed and receiver.preallocated and self._writers(receiver):
+                value = _PAGES_HELD
             append(value)
+        # Then one value per held room, in the order they failed: 1 when this rank
+        # may reuse its pages (the MIN releases them once every rank may).
+        bound = self.config.quarantine_timeout
+        for held in self._held.values():
+            append(1 if not held.writers or now - held.since >= bound else 0)
         return values
 
     def conclude(self, agreed: Sequence[int], now: float) -> list[Event]:
         """Apply the group's agreed values and return the scheduler's events; requests
         that ended are forgotten with their rooms."""
         receivers = list(self._receivers.values())
-        if len(agreed) != len(receivers):
+        held = list(self._held.items())
+        if len(agreed) != len(receivers) + len(held):
             raise ProtocolError(
                 f"the replica agreement returned {len(agreed)} values for "
-                f"{len(receivers)} tracked requests: every rank must track the same requests"
+                f"{len(receivers)} tracked requests and {len(held)} held rooms: every rank "
+                "must track the same requests"
             )
-        events: list[Event] = []
+        events: list[Event] = self._release(held, agreed[len(receivers) :], now)
+        agreed = agreed[: len(receivers)]
         # Plain ints in locals: no enum is built or looked up per request. A value
         # that is not a live TransferPoll reads as Failed, as from_wire would say.
         live, announcing, success = _LIVE, _ANNOUNCING, _SUCCESS
@@ -878,8 +970,46 @@ class DecodeCore:
                         timeout_stage=receiver.timeout_stage,
                     )
                 reason = self._rooms.failure(room) or f"Request {room} failed"
-                events.append(Failed(receiver.rid, reason))
+                # A negative agreed value: some rank's pages may still be written.
+                pages_held = value < 0
+                events.append(Failed(receiver.rid, reason, pages_held))
+                if pages_held:
+                    self._hold(receiver, now)
                 self._forget(receiver, now)
+        return events
+
+    def _hold(self, receiver: _Receiver, now: float) -> None:
+        """Keep a failed room's pages held until every expected Prefill rank that got
+        this rank's pre-allocation said the room ended, or the quarantine bound."""
+        writers = self._writers(receiver) if receiver.preallocated else set()
+        self._held.pop(receiver.room, None)
+        self._held[receiver.room] = _Held(receiver.rid, now, writers)
+
+    def _writers(self, receiver: _Receiver) -> set[int]:
+        """Expected Prefill ranks of the room that have not said it ended."""
+        route = self._routes.get(receiver.room)
+        return set(route.expected) - receiver.ended_by if route is not None else set()
+
+    def _release(
+        self, held: list[tuple[int, _Held]], agreed: Sequence[int], now: float
+    ) -> list[Event]:
+        """The held rooms the group agreed to release, as :class:`PagesReleased`."""
+        events: list[Event] = []
+        bound = self.config.quarantine_timeout
+        for (room, entry), value in zip(held, agreed, strict=True):
+            if value == 1:
+                del self._held[room]
+                timed_out = bool(entry.writers) and now - entry.since >= bound
+                if timed_out:
+                    self._log(
+                        LogLevel.WARNING,
+                        f"releasing the pages of failed room {room} after {bound:g}s without "
+                        f"word from Prefill rank(s) {sorted(entry.writers)}: a late write from "
+                        "them could still land (raise DecodeConfig.quarantine_timeout if "
+                        "transfers can take longer)",
+                        room,
+                    )
+                events.append(PagesReleased(entry.rid, room, timed_out))
         return events
 
     def _prefill_done(self, receiver: _Receiver) -> RemotePrefillDone:

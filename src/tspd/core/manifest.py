@@ -1,14 +1,15 @@
-"""Block manifests and layerwise block selection (spec §5.4–§5.6).
+"""Block manifests and layerwise block selection.
 
-A *block manifest* lists, per page group in contract group order, the scheduler
-block ids holding one request's logical block slots. Decode publishes its manifest
-in pre-allocation frame 2 (the *destination* manifest); Prefill builds its own
-*source* manifest from its block tables using Decode's prompt window. In layerwise
-mode Prefill instead selects, per forward chunk, the source blocks that became
-ready and their positions in Decode's manifest (:class:`Selection`).
+A *block manifest* (docs/protocol.md#proto-manifest) lists, per page group in contract
+group order, the scheduler block ids holding one request's logical block slots. Decode
+publishes its manifest in pre-allocation frame 2 (the *destination* manifest); Prefill
+builds its own *source* manifest from its block tables using Decode's prompt window. In
+layerwise mode Prefill instead selects, per forward chunk, the source blocks that became
+ready and their positions in Decode's manifest (:class:`Selection`,
+docs/protocol.md#proto-layerwise-selection).
 
-Messages follow the S3/R-pd wording ("Cache-transfer PD …") where the
-specification gives one, and S1's wording elsewhere; every failure is a
+Messages follow the S3/R-pd wording ("Cache-transfer PD …") where the protocol gives
+one, and S1's wording elsewhere; every failure is a
 :class:`~tspd.core.errors.ContractError`.
 """
 
@@ -48,7 +49,8 @@ _PD: Final = "Cache-transfer PD"
 
 
 def logical_slots(spec: GroupSpec, prefix_len: int, prompt_len: int) -> range:
-    """The logical block slots of a request's window that a group transfers (§5.4).
+    """The logical block slots of a request's window that a group transfers
+    (docs/protocol.md#proto-logical-slots).
 
     ``full_suffix`` groups send every slot from the prefix boundary (or the sliding
     window's first slot, whichever is later) to the end of the prompt; any other
@@ -81,8 +83,9 @@ class ManifestGroup:
 class BlockManifest:
     """One request's blocks on one rank, for the window ``[prefix_len, prompt_len)``.
 
-    ``state_prefix_cached`` is R-pd's extension (§5.5); its semantics are not
-    specified (§13.2), so tspd carries and compares it but never acts on it.
+    ``state_prefix_cached`` is R-pd's extension (docs/protocol.md#proto-manifest-schema);
+    its semantics are not known (docs/protocol.md#proto-open-questions), so tspd
+    carries and compares it but never acts on it.
     """
 
     groups: tuple[ManifestGroup, ...]
@@ -124,7 +127,7 @@ def parse_manifest(data: bytes) -> BlockManifest:
 
     Unknown keys are ignored, as TokenSpeed's decoders do. Every failure, a missing
     key or a wrong type included, is a :class:`ContractError`, so the caller can
-    treat it as a malformed pre-allocation (§14.4).
+    treat it as a malformed pre-allocation (docs/protocol.md#proto-preallocation-checks).
     """
     if not 0 < len(data) <= MAX_MANIFEST_BYTES:
         raise ContractError(f"Cache block manifest payload must be 1..{MAX_MANIFEST_BYTES} bytes")
@@ -176,7 +179,8 @@ def _count(value: Any, key: str) -> int:
 
 
 def validate_manifest(manifest: BlockManifest, contract: CacheContract, peer: Peer) -> None:
-    """Check a manifest against the contract of the rank that owns its blocks (§5.5).
+    """Check a manifest against the contract of the rank that owns its blocks
+    (docs/protocol.md#proto-manifest-errors).
 
     ``peer`` is ``"destination"`` for Decode's manifest (checked against Decode's
     contract, by Prefill on receipt and by Decode before sending) and ``"source"`` for
@@ -193,7 +197,9 @@ def validate_manifest(manifest: BlockManifest, contract: CacheContract, peer: Pe
     for group, spec in zip(manifest.groups, contract.group_specs, strict=True):
         gid = spec.group_id
         slots = logical_slots(spec, manifest.prefix_len, manifest.prompt_len)
-        if len(group.block_ids) != len(slots):
+        # stop - start, not len(): a peer's prompt_len may make the range longer
+        # than a C ssize_t, and len() would raise OverflowError instead of this.
+        if len(group.block_ids) != slots.stop - slots.start:
             raise ContractError(
                 f"{peer} manifest group {gid!r} block count disagrees with its transfer policy"
             )
@@ -292,7 +298,8 @@ def same_prompt_window(a: BlockManifest, b: BlockManifest) -> bool:
 
 
 def require_same_prompt_window(manifests: Sequence[BlockManifest]) -> None:
-    """Refuse a room whose destinations disagree on the prompt window (§5.5)."""
+    """Refuse a room whose destinations disagree on the prompt window
+    (docs/protocol.md#proto-manifest-build)."""
     if any(not same_prompt_window(manifests[0], m) for m in manifests[1:]):
         raise ContractError("Cache-transfer destinations disagree on the prompt window")
 
@@ -338,7 +345,8 @@ def build_selection(
     chunk_start: int,
     chunk_end: int,
 ) -> Selection:
-    """Select the blocks that the tokens ``[chunk_start, chunk_end)`` complete (§5.6).
+    """Select the blocks that the tokens ``[chunk_start, chunk_end)`` complete
+    (docs/protocol.md#proto-layerwise-selection).
 
     ``prefix_len``/``prompt_len`` are Decode's window. Only fully written blocks are
     sent, except that the final chunk also sends the prompt's last, partial block
@@ -390,7 +398,8 @@ def select_chunk(
     *,
     first: bool,
 ) -> Selection | None:
-    """The executor's choice for one extend chunk ``[chunk_begin, chunk_end)`` (§5.6).
+    """The executor's choice for one extend chunk ``[chunk_begin, chunk_end)``
+    (docs/protocol.md#proto-layerwise-selection).
 
     A room's ``first`` chunk starts at ``min(chunk_begin, window.prefix_len)`` so the
     blocks Prefill found in its own cache but Decode lacks go too; later chunks start

@@ -85,6 +85,7 @@ from tspd.core.trace import Mark, ReasonClass, RoomTrace, RoomTracer, Side, Trac
 __all__ = [
     "BOOTSTRAP_STALL_S",
     "FAILED_ROOM_MEMORY",
+    "MAX_REGISTRATIONS",
     "MAX_UNCLAIMED_ROOMS",
     "REJECTED_SESSION_MEMORY",
     "ExtendRow",
@@ -107,6 +108,11 @@ FAILED_ROOM_MEMORY: Final = 65_536
 #: is dropped as at its TTL, so a flood of pre-allocations for made-up rooms cannot
 #: grow the tables without bound.
 MAX_UNCLAIMED_ROOMS: Final = 65_536
+#: Decode sessions registered at most at once (~4 KiB each). Past it the least
+#: recently used session with no room in flight is forgotten (its next
+#: pre-allocation would be refused as unregistered), so Decode restarts and
+#: made-up sessions cannot grow the table without bound.
+MAX_REGISTRATIONS: Final = 4096
 #: Sessions whose registration was rejected are remembered this many at most (their
 #: reply route, to answer their pre-allocations ``Failed``), oldest dropped first.
 REJECTED_SESSION_MEMORY: Final = 1024
@@ -332,6 +338,9 @@ class PrefillCore:
         self._registrations: dict[str, _Registered] = {}
         #: Sessions whose registration was rejected: their reply route.
         self._rejected: dict[str, tuple[str, int]] = {}
+        #: Secure mode: the CURVE identity each registered or rejected session came
+        #: from (docs/security.md); empty in plain mode.
+        self._identities: dict[str, str] = {}
         self._failed_sessions: dict[str, float] = {}
         #: Failed rooms already forgotten -> when they were (oldest first).
         self._failed_rooms: dict[int, float] = {}
@@ -583,9 +592,20 @@ class PrefillCore:
 
     # ------------------------------------------------------------------ control socket
 
-    def receive_control(self, frames: Sequence[bytes], now: float) -> None:
+    def receive_control(
+        self, frames: Sequence[bytes], now: float, sender: str | None = None
+    ) -> None:
         """Handle one message from the control socket: a registration or a
-        pre-allocation (spec §4.1, §7.9.4, §7.9.5). Never raises for peer input."""
+        pre-allocation (docs/protocol.md#proto-control-dispatch,
+        docs/protocol.md#proto-registration-handling,
+        docs/protocol.md#proto-preallocation-checks). Never raises for peer input.
+
+        ``sender``: in secure mode, the message's authenticated CURVE identity (its
+        ``User-Id``, docs/security.md). A session belongs to the identity that first
+        registered it, and a Decode status endpoint to the identity of the sessions
+        registered on it: a registration or pre-allocation from another identity is
+        rejected (``wrong-identity``) and touches nothing. ``None`` (plain mode)
+        checks nothing."""
         frames = list(frames)
         try:
             registration = wire.is_registration(frames)
@@ -593,9 +613,56 @@ class PrefillCore:
             self._reject(RejectReason.MALFORMED_HEADER, _UNKNOWN_PEER, str(err))
             return
         if registration:
-            self._handle_registration(frames, now)
+            if sender is None or self._may_register(frames, sender):
+                self._handle_registration(frames, now)
         else:
-            self._handle_preallocation(frames, now)
+            self._handle_preallocation(frames, now, sender)
+
+    def route_identity(self, endpoint: str, port: int) -> str | None:
+        """Secure mode: the CURVE identity of the sessions that reply on
+        ``endpoint:port`` — a Decode status socket, whose CURVE server key it is —
+        or ``None`` (plain mode, or no session there)."""
+        route = (endpoint, port)
+        for session_id, registered in self._registrations.items():
+            if registered.route == route and session_id in self._identities:
+                return self._identities[session_id]
+        for session_id, rejected in self._rejected.items():
+            if rejected == route and session_id in self._identities:
+                return self._identities[session_id]
+        return None
+
+    def _may_register(self, frames: list[bytes], sender: str) -> bool:
+        """Secure mode: whether ``sender`` may register the session the registration
+        names (see :meth:`receive_control`); if so, the session is bound to it."""
+        try:
+            route = wire.decode_registration_route(frames)
+        except TspdError:
+            return True  # refused as malformed by the handler, binding nothing
+        session_id = route.session_id
+        bound = self._identities.get(session_id)
+        holder = self.route_identity(route.endpoint, route.port)
+        if bound not in (None, sender) or holder not in (None, sender):
+            why = (
+                f"the session was registered by {bound}"
+                if bound not in (None, sender)
+                else f"its status endpoint belongs to sessions of {holder}"
+            )
+            self._reject(
+                RejectReason.WRONG_IDENTITY,
+                session_id,
+                f"rejecting CachePD Decode registration of session {session_id} "
+                f"({route.endpoint}:{route.port}) from CURVE identity {sender}: {why}",
+            )
+            return False
+        identities = self._identities
+        identities[session_id] = sender
+        if len(identities) > len(self._registrations) + len(self._rejected) + 64:
+            self._identities = {
+                sid: key
+                for sid, key in identities.items()
+                if sid == session_id or sid in self._registrations or sid in self._rejected
+            }
+        return True
 
     def _handle_registration(self, frames: list[bytes], now: float) -> None:
         try:
@@ -616,6 +683,18 @@ class PrefillCore:
         previous = self._registrations.get(session_id)
         if previous is not None and previous != new:
             self._reject_registration(frames, _CONFLICT, now)
+            return
+        if (
+            previous is None
+            and len(self._registrations) >= MAX_REGISTRATIONS
+            and not self._forget_idle_session()
+        ):
+            self._reject_registration(
+                frames,
+                f"this Prefill rank already holds {MAX_REGISTRATIONS} Decode sessions, "
+                "every one with a room in flight",
+                now,
+            )
             return
         self._rejected.pop(session_id, None)
         self._failed_sessions.pop(session_id, None)
@@ -664,6 +743,27 @@ class PrefillCore:
             # The stored registration's route is no session's any more.
             self._commands.append(CloseRoute(*replaced.route))
 
+    def _forget_idle_session(self) -> bool:
+        """Make room in a full registration table: forget the least recently used
+        session that no room's destinations name; ``False`` if every one is busy."""
+        busy = {d.session_id for group in self._per_room.destinations.values() for d in group}
+        for session_id in self._registrations:  # least recently used first
+            if session_id in busy:
+                continue
+            registered = self._registrations.pop(session_id)
+            self._failed_sessions.pop(session_id, None)
+            self._reject(
+                RejectReason.TABLE_FULL,
+                _UNKNOWN_PEER,
+                f"{MAX_REGISTRATIONS} Decode sessions are registered: forgetting the least "
+                f"recently used, {session_id}, which must register again before its next "
+                "pre-allocation (many Decode restarts, or a flood of made-up sessions?)",
+            )
+            if not self._route_in_use(registered.route):
+                self._commands.append(CloseRoute(*registered.route))
+            return True
+        return False
+
     def _route_in_use(self, route: tuple[str, int]) -> bool:
         """Whether a registered or rejected session still replies on ``route`` (a
         scan: only a registration's rejection or a send failure asks)."""
@@ -671,7 +771,9 @@ class PrefillCore:
             r.route == route for r in self._registrations.values()
         )
 
-    def _handle_preallocation(self, frames: list[bytes], now: float) -> None:
+    def _handle_preallocation(
+        self, frames: list[bytes], now: float, sender: str | None = None
+    ) -> None:
         try:
             preallocation = wire.decode_preallocation(frames)
         except TspdError as err:
@@ -682,6 +784,15 @@ class PrefillCore:
             )
             return
         room, session_id = preallocation.room, preallocation.session_id
+        if sender is not None and self._identities.get(session_id) != sender:
+            self._reject(
+                RejectReason.WRONG_IDENTITY,
+                session_id,
+                f"rejecting CachePD pre-allocation of room {room} for session {session_id} "
+                f"from CURVE identity {sender}: that identity did not register the session",
+                room,
+            )
+            return
         try:
             self._accept_preallocation(preallocation, now)
         except TspdError as err:
@@ -706,9 +817,10 @@ class PrefillCore:
 
     def _accept_preallocation(self, preallocation: wire.Preallocation, now: float) -> None:
         room, session_id = preallocation.room, preallocation.session_id
-        registered = self._registrations.get(session_id)
+        registered = self._registrations.pop(session_id, None)
         if registered is None:
             raise PlanError(_UNREGISTERED)
+        self._registrations[session_id] = registered  # most recently used last
         state = self._rooms.state(room)
         if state is RoomState.FAILED or (
             state is RoomState.ABSENT and self._recently_failed(room, now)

@@ -1,4 +1,5 @@
-"""In-process transfer engines for tests: real byte copies, injectable faults.
+"""In-process transfer engines (tests, benchmarks, simulations): real byte copies,
+injectable faults.
 
 :class:`FakeEngine` implements :class:`tspd.engines.base.TransferEngine` by copying
 with ``ctypes.memmove`` between regions registered in one process. Engines meet in

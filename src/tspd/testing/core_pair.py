@@ -16,8 +16,9 @@ instance, with no sockets, threads or clocks:
 
 Faults are injected by setting :attr:`CorePair.parallel_info_error`,
 :attr:`CorePair.rank_info_errors`, :attr:`CorePair.write_errors` and
-:attr:`CorePair.dropped_ports`. Bytes are the spec §15 interop pattern, so
-:meth:`CorePair.verify` checks every Decode block byte for byte.
+:attr:`CorePair.dropped_ports`. Bytes are the interop pattern
+(docs/protocol.md#proto-interop), so :meth:`CorePair.verify` checks every Decode block
+byte for byte.
 """
 
 from __future__ import annotations
@@ -177,6 +178,11 @@ class CorePair:
         self.failures: list[tuple[str, int, RoomFailed]] = []
         self.sent: list[tuple[str, int, SendFrames]] = []
         self.transfers: list[tuple[int, StartTransfer]] = []
+        #: Per Decode rank: arena byte offset -> the room whose pages hold it.
+        self._owners: list[dict[int, int]] = [{} for _ in self.decode_contracts]
+        #: Writes that landed on bytes their room does not own (now, or any more):
+        #: (room, Decode rank, offset, owner or None). Write fencing keeps it empty.
+        self.fencing_violations: list[tuple[int, int, int, int | None]] = []
         self.bytes_written = 0
 
     def restart_prefill(self, rank: int) -> None:
@@ -321,15 +327,43 @@ class CorePair:
                 if error is not None:
                     core.transfer_failed(room, write.session_id, error, self.now)
                     return True
-                self._apply(job.rank, self._decode_rank_of_session(write.session_id), write.plan)
+                self._apply(
+                    job.rank, self._decode_rank_of_session(write.session_id), write.plan, room
+                )
             job.next_interval += 1
         if command.final:
             core.transfer_succeeded(room, self.now)
         return True
 
-    def _apply(self, prefill_rank: int, decode_rank: int, plan: CopyPlan) -> None:
+    def _own(self, rank: int, tables: Mapping[str, Sequence[int]], room: int | None) -> None:
+        """Record ``room`` (``None``: free) as the owner of every byte of the pages in
+        ``tables`` on Decode rank ``rank``, for the write-fencing check."""
+        contract = self.decode_contracts[rank]
+        owners = self._owners[rank]
+        for spec in contract.plan.fields:
+            for page in tables.get(spec.group_id, ()):
+                if page <= 0:
+                    continue
+                start = contract.page_offset(spec, page)
+                for offset in range(start, start + spec.payload_bytes):
+                    if room is None:
+                        owners.pop(offset, None)
+                    else:
+                        owners[offset] = room
+
+    def _apply(
+        self, prefill_rank: int, decode_rank: int, plan: CopyPlan, room: int | None = None
+    ) -> None:
         source = self.prefill_arenas[prefill_rank]
         target = self.decode_arenas[decode_rank]
+        if room is not None:
+            owners = self._owners[decode_rank]
+            for _, dst, length in plan:
+                start = dst - target.base
+                for offset in (start, start + length - 1):
+                    owner = owners.get(offset)
+                    if owner != room:
+                        self.fencing_violations.append((room, decode_rank, offset, owner))
         for src, dst, length in plan:
             s, d = src - source.base, dst - target.base
             if not (s >= 0 and s + length <= source.size and d >= 0 and d + length <= target.size):
@@ -395,6 +429,7 @@ class CorePair:
         for rank, core in enumerate(self.decode):
             tables = self._decode_pages[rank].allocate(prompt_len, prefix_len)
             entry.decode_tables[rank] = tables
+            self._own(rank, tables, room)
             manifest = build_manifest(self.decode_contracts[rank], tables, prefix_len, prompt_len)
             entry.decode_manifests[rank] = manifest
             core.send_preallocation(room, manifest, self.now)
@@ -463,6 +498,7 @@ class CorePair:
         for rank, tables in entry.prefill_tables.items():
             self._prefill_pages[rank].release(tables)
         for rank, tables in entry.decode_tables.items():
+            self._own(rank, tables, None)
             self._decode_pages[rank].release(tables)
 
     def status(self, room: int) -> tuple[list[TransferPoll | None], list[TransferPoll | None]]:
