@@ -45,7 +45,7 @@ SKIPPED_FILES = frozenset({THIS_FILE, SECTION_MAP.resolve()})
 
 #: References to documents outside the repository counted on the day this test was
 #: written. The count may only go down: lower this constant when it does.
-OUT_OF_REPO_LIMIT = 322
+OUT_OF_REPO_LIMIT = 62
 
 LABEL = r"proto-[a-z0-9]+(?:-[a-z0-9]+)*"
 _LABEL = re.compile(LABEL)

@@ -12,8 +12,9 @@ Try one::
 
     tspd wire decode --kind status examples/wire/status.hex
 
-The values follow the interop pattern of spec §15 (seed 0, room 1000000), so the
-token and candidates in ``status.hex`` are the ones a tspd Prefill would send.
+The values follow the interop pattern of docs/protocol.md#proto-interop (seed 0,
+room 1000000), so the token and candidates in ``status.hex`` are the ones a tspd
+Prefill would send.
 ``tests/core/test_cli_wire.py`` checks that the committed files are what this
 script writes and that each decodes (or fails) as its header says.
 """

@@ -14,11 +14,11 @@ the model's shape instead of by hand:
   other per-token tensor (:class:`HistoryGroup` of :class:`CacheTensor`).
 
 Tensors are described for the whole model (global head counts); the builders cut
-this rank's share and record the split in the contract's transfer schema, so
-contracts built for different TP sizes pair up (spec §6.3). Heads are split with
-the one rule the planner accepts: ``tp_size`` divides the head count (each rank
-holds ``heads / tp_size``), or is a multiple of it (each rank holds one head,
-replicated on ``tp_size / heads`` consecutive ranks); anything else is refused
+this rank's share and record the split in the contract's transfer schema, so contracts
+built for different TP sizes pair up (docs/protocol.md#proto-fragments). Heads are split
+with the one rule the planner accepts: ``tp_size`` divides the head count (each rank
+holds ``heads / tp_size``), or is a multiple of it (each rank holds one head, replicated
+on ``tp_size / heads`` consecutive ranks); anything else is refused
 (:func:`kv_heads_per_rank`).
 
 Within a page, a tensor is token-major (``(page_tokens, heads, head_dim)``, "NHD")
@@ -157,7 +157,8 @@ def _local_extent(what: str, extent: int, parts: tuple[int, ...], tp_size: int) 
     if extent % tp_size == 0:
         return extent // tp_size
     if tp_size % extent == 0:
-        return 1  # each element on tp_size / extent consecutive ranks (spec §6.3)
+        # Each element on tp_size / extent consecutive ranks (docs/protocol.md#proto-fragments).
+        return 1
     raise ConfigError(
         f"{what} cannot be split over TP={tp_size}: the TP size must divide {extent} "
         f"(each rank holds {extent}/TP) or be a multiple of it (each rank holds one, "
@@ -169,9 +170,10 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     """KV heads one rank of a TP group of ``tp_size`` holds.
 
     ``num_kv_heads / tp_size`` when ``tp_size`` divides the head count; 1 when
-    ``tp_size`` is a multiple of it (GQA/MQA with more ranks than KV heads: each
-    head is replicated on ``tp_size / num_kv_heads`` consecutive ranks). Any other
-    pair is a :class:`ConfigError`: the transfer planner (spec §6.3) cannot map it.
+    ``tp_size`` is a multiple of it (GQA/MQA with more ranks than KV heads: each head is
+    replicated on ``tp_size / num_kv_heads`` consecutive ranks). Any other pair is a
+    :class:`ConfigError`: the transfer planner (docs/protocol.md#proto-fragments) cannot
+    map it.
     """
     _count("num_kv_heads", num_kv_heads)
     _check_tp(tp_size)
@@ -179,9 +181,9 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
 
 
 def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
-    """The global KV heads TP rank ``tp_rank`` holds (spec §6.3: ``N`` distinct
-    shards, replica groups of ``R = tp_size / N`` consecutive ranks, shard
-    ``tp_rank // R``)."""
+    """The global KV heads TP rank ``tp_rank`` holds (docs/protocol.md#proto-fragments:
+    ``N`` distinct shards, replica groups of ``R = tp_size / N`` consecutive ranks,
+    shard ``tp_rank // R``)."""
     local = kv_heads_per_rank(num_kv_heads, tp_size)
     if type(tp_rank) is not int or not 0 <= tp_rank < tp_size:
         raise ConfigError(f"tp_rank must be in [0, {tp_size}), got {tp_rank!r}")
@@ -670,9 +672,10 @@ class PageAllocator:
 
     def allocate(self, prompt_len: int, prefix_len: int = 0) -> dict[str, list[int]]:
         """One request's block-table rows: per group, a distinct free block id at every
-        logical slot of the window ``[prefix_len, prompt_len)`` (spec §5.4); slots
-        before the window hold the null id 0. Raises :class:`ConfigError` (and takes
-        nothing) when a group runs out of pages."""
+        logical slot of the window ``[prefix_len, prompt_len)``
+        (docs/protocol.md#proto-logical-slots); slots before the window hold the null id
+        0. Raises :class:`ConfigError` (and takes nothing) when a group runs out of
+        pages."""
         if not 0 <= prefix_len < prompt_len:
             raise ConfigError(f"need 0 <= prefix_len < prompt_len, got {prefix_len}, {prompt_len}")
         windows = {

@@ -1,5 +1,6 @@
-"""The cache transfer contract: canonical JSON, every §5.2 rule, tspd's own checks of
-a local contract, derived geometry, peer compatibility (§5.3)."""
+"""The cache transfer contract: canonical JSON, every parsing rule
+(docs/protocol.md#proto-contract-errors), tspd's own checks of a local contract, derived
+geometry, peer compatibility (docs/protocol.md#proto-peer-compat)."""
 
 from __future__ import annotations
 
@@ -74,8 +75,9 @@ def state_spec(gid: str = "state", **overrides: Any) -> GroupSpec:
 def two_group_contract(
     stride: int, history_offset: int, state_offset: int, *, num_lcm_blocks: int = 8
 ) -> CacheContract:
-    """One plane shared by a history group and a state group (spec §6.9's last
-    example): each page slot of ``stride`` bytes holds a 16-byte field of each."""
+    """One plane shared by a history group and a state group (the last example of
+    docs/protocol.md#proto-planning-examples): each page slot of ``stride`` bytes holds
+    a 16-byte field of each."""
     parents = num_lcm_blocks + 1
     plan = CacheMemoryPlan(
         prefix_granularity=2,
@@ -189,7 +191,8 @@ def test_transfer_schema_still_needs_its_fields() -> None:
 
 @pytest.mark.parametrize("value", ["8", 8.0, True, [8], {"bytes": 8}])
 def test_a_resident_block_bytes_that_is_no_integer_is_ignored_like_s1(value: Any) -> None:
-    # S1 does not read the key at all (spec §5.2); only S3/R give it a meaning.
+    # S1 does not read the key at all (docs/protocol.md#proto-contract-errors); only S3/R
+    # give it a meaning.
     obj = wire(BASE)
     obj["plan"]["resident_block_bytes"] = value
     parsed = parse_contract(dump(obj))
@@ -212,7 +215,7 @@ def test_encode_bound() -> None:
         contract.to_json()
 
 
-# --------------------------------------------------------------------- §5.2 decoding
+# -------------------------------------- decoding (docs/protocol.md#proto-contract-errors)
 
 
 @pytest.mark.parametrize("payload", [b"", b" " * (MAX_CONTRACT_BYTES + 1)])
@@ -475,8 +478,9 @@ def _k(obj: dict[str, Any]) -> dict[str, Any]:
     return field
 
 
-# Every check tspd makes beyond S1 (§5.2): a peer's contract that breaks one is parsed
-# as S1 parses it, and only this rank's own contract is refused (check_local_contract).
+# Every check tspd makes beyond S1 (docs/protocol.md#proto-contract-local): a peer's
+# contract that breaks one is parsed as S1 parses it, and only this rank's own contract
+# is refused (check_local_contract).
 LOCAL_ONLY_RULES: list[tuple[Any, str]] = [
     (lambda o: o["plan"].update(prefix_granularity=0), "prefix_granularity must be positive"),
     (lambda o: o["plan"].update(lcm_block_bytes=0), "lcm_block_bytes must be positive"),
@@ -702,7 +706,8 @@ def test_replayable_needs_a_sliding_group() -> None:
 
 
 def test_r_pd_fixture_schema_is_refused() -> None:
-    # R-pd's `grouped_layout()` keys (attn_kind) are not the S1 schema (spec §5.1, §13.1).
+    # R-pd's `grouped_layout()` keys (attn_kind) are not the S1 schema
+    # (docs/protocol.md#proto-contract-schema, docs/protocol.md#proto-open-questions).
     obj = wire(two_group_contract(32, 0, 16))
     obj["group_specs"] = [
         {
@@ -771,7 +776,8 @@ def test_layer_suffix_may_hold_dots() -> None:
 
 
 def test_page_offsets_golden_whole_copy_vector() -> None:
-    """Spec §6.9, last bullet: whole copy with different page-zero offsets."""
+    """docs/protocol.md#proto-planning-examples, last bullet: whole copy with different
+    page-zero offsets."""
     source = two_group_contract(32, 0, 16)
     dest = two_group_contract(64, 8, 40)
     src = [0x10000 + source.page_offset("layer.0.kv", p) for p in (1, 2)]
@@ -862,7 +868,7 @@ def test_contracts_are_hashable_values() -> None:
     assert copied.page_offset("layer.0.v", 2) == a.page_offset("layer.0.v", 2)
 
 
-# --------------------------------------------------------------------- §5.3 peers
+# ----------------------------------------------- peers (docs/protocol.md#proto-peer-compat)
 
 
 def _peer(**kw: Any) -> CacheContract:

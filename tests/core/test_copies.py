@@ -1,7 +1,8 @@
-"""Copy generation (spec §6.7), coalescing, bounds and batching.
+"""Copy generation (docs/protocol.md#proto-copies), coalescing, bounds and batching.
 
-Golden vectors come from §6.9; the properties compare the numpy planner against a
-small loop-per-page reference written here from the §6.7 pseudocode.
+Golden vectors come from docs/protocol.md#proto-planning-examples; the properties
+compare the numpy planner against a small loop-per-page reference written here from the
+rules of docs/protocol.md#proto-copies.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def copies(**kwargs: object) -> list[tuple[int, int, int]]:
     return list(plan_copies(**kwargs))  # type: ignore[arg-type]
 
 
-# -- reference implementation (loops, straight from §6.7) -------------------------
+# -- reference implementation (loops, straight from docs/protocol.md#proto-copies) --
 
 
 def reference(
@@ -198,7 +199,7 @@ def apply(
     return bytes(out)
 
 
-# -- §6.9 golden vectors ---------------------------------------------------------
+# -- golden vectors (docs/protocol.md#proto-planning-examples) --------------------
 
 
 def test_fragment_copy_addresses() -> None:
@@ -221,8 +222,9 @@ def test_fragment_copy_addresses() -> None:
 
 
 def whole_copy_pair() -> tuple[CacheContract, CacheContract]:
-    """The §6.9 whole-copy fixture: history and state fields of 16 bytes; the source
-    has stride 32 and page-zero offsets 0/16, the destination stride 64 and 8/40."""
+    """The whole-copy fixture of docs/protocol.md#proto-planning-examples: history and
+    state fields of 16 bytes; the source has stride 32 and page-zero offsets 0/16, the
+    destination stride 64 and 8/40."""
     src = CacheContract(
         plan=CacheMemoryPlan(
             prefix_granularity=1,

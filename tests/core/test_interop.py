@@ -1,4 +1,4 @@
-"""The interop pattern reproduces the spec §15 vectors exactly."""
+"""The interop pattern reproduces the vectors of docs/protocol.md#proto-interop exactly."""
 
 from __future__ import annotations
 

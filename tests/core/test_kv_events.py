@@ -34,7 +34,7 @@ from tspd.core.kv_events import (
 
 U64 = (1 << 64) - 1
 
-# The spec's reference encodings (§9.2), produced by msgspec 0.23.0.
+# The reference encodings of docs/protocol.md#proto-kv-wire, produced by msgspec 0.23.0.
 GOLDEN_BATCH = bytes.fromhex(
     "93" "cb3ff8000000000000" "92"
     "95" "ab" + b"BlockStored".hex() + "91" "7b" "c0" "92" "01" "02" "02"

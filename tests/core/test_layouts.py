@@ -416,7 +416,8 @@ def test_tp_shards_hold_every_head_exactly_once(heads: int, data: st.DataObject)
     assert [h for r in distinct for h in r] == list(range(heads))  # a partition of the heads
     replicas = tp // len(distinct)
     assert all(ranges.count(r) == replicas for r in distinct)
-    # Replicas of a shard are consecutive ranks: shard = rank // R (spec §6.3).
+    # Replicas of a shard are consecutive ranks: shard = rank // R
+    # (docs/protocol.md#proto-fragments).
     assert ranges == [distinct[rank // replicas] for rank in range(tp)]
     assert all(len(r) == kv_heads_per_rank(heads, tp) for r in ranges)
 

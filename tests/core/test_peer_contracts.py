@@ -1,4 +1,5 @@
-"""A peer's contract is held to TokenSpeed's rules (S1, spec §5.2) only.
+"""A peer's contract is held to TokenSpeed's rules (S1, docs/protocol.md#proto-contract-errors)
+only.
 
 Any contract S1 accepts -- overlapping or interleaved planes, odd or negative strides
 and offsets, inconsistent page counts, unknown keys at the top level and inside
@@ -57,9 +58,9 @@ odd = st.integers(-64, 600) | st.sampled_from([0, 8, 16, 32, 64])
 
 @dataclass(frozen=True, slots=True)
 class Model:
-    """What two compatible peers share (§5.3): the token grain, the groups in order
-    and their semantics, every field's dtype, shape and partition; and the TP size
-    both run (equal TP, so local shapes are equal too)."""
+    """What two compatible peers share (docs/protocol.md#proto-peer-compat): the token
+    grain, the groups in order and their semantics, every field's dtype, shape and
+    partition; and the TP size both run (equal TP, so local shapes are equal too)."""
 
     prefix_granularity: int
     specs: tuple[GroupSpec, ...]

@@ -1,5 +1,6 @@
-"""Route planning (spec §6.1–§6.6): golden vectors from §6.9, every planner error,
-and properties of heterogeneous routes."""
+"""Route planning (docs/protocol.md#proto-planning): golden vectors from
+docs/protocol.md#proto-planning-examples, every planner error, and properties of
+heterogeneous routes."""
 
 from __future__ import annotations
 
@@ -96,8 +97,9 @@ def contract(
 
 
 def k_and_latent(k_shape: tuple[int, ...], heads: int = 4) -> CacheContract:
-    """The §6.9 fixture: bf16 ``layer.0.k`` partitioned on axis 1 over ``heads``
-    global heads, plus a replicated ``layer.1.latent``."""
+    """The fixture of docs/protocol.md#proto-planning-examples: bf16 ``layer.0.k``
+    partitioned on axis 1 over ``heads`` global heads, plus a replicated
+    ``layer.1.latent``."""
     return contract(
         [("full", "layer.0.k", k_shape, "bfloat16"), ("full", "layer.1.latent", (8,), "bfloat16")],
         {"layer.0.k": Partition(1, heads)},
@@ -117,7 +119,7 @@ def frag(
     return Fragment(gid, fid, src, dst, src_stride, dst_stride, size, rows)
 
 
-# -- §6.9 worked examples ------------------------------------------------------
+# -- worked examples (docs/protocol.md#proto-planning-examples) ---------------
 
 
 def test_tp1_to_tp2_splits_heads_and_replicates_latent() -> None:
@@ -237,7 +239,7 @@ def test_rows_stay_when_the_partition_axis_is_outermost() -> None:
     assert (fragment.src_row_stride_bytes, fragment.dst_row_stride_bytes) == (8, 4)
 
 
-# -- §6.1 validation -------------------------------------------------------------
+# -- validation (docs/protocol.md#proto-planner-checks) ---------------------------
 
 
 @pytest.mark.parametrize(("p", "d"), [(0, 1), (1, 0), (-1, 2)])
@@ -330,7 +332,8 @@ def test_a_contract_without_fields_has_no_source_fragments() -> None:
         RoutePlanner(1, 2, empty, empty).plan(0)
 
 
-# -- DCP sharding (§6.1 S3 rows, §6.6) -------------------------------------------
+# -- DCP sharding (the S3 rows of docs/protocol.md#proto-planner-checks,
+#    docs/protocol.md#proto-owner-filters) -----------------------------------------
 
 
 def sharded(count: int, *, partitioned: bool = False) -> CacheContract:
@@ -443,7 +446,7 @@ def test_validate_owner_filters_messages() -> None:
         assert str(caught.value) == message
 
 
-# -- §6.5 Prefill-side registration planning -------------------------------------
+# -- Prefill-side registration planning (docs/protocol.md#proto-prefill-planning) --
 
 
 def register(
@@ -505,7 +508,7 @@ def test_registration_errors_are_plan_errors() -> None:
         register(1, 1, 1, 0, layout, layout)
 
 
-# -- fan-out (§6.5) --------------------------------------------------------------
+# -- fan-out (docs/protocol.md#proto-fanout) -------------------------------------
 
 
 def test_fanout_accepts_the_exact_rank_set() -> None:

@@ -1,5 +1,6 @@
-"""PrefillCore: the Prefill rank's room lifecycle and every §7.9 failure path, driven
-with a Decode core through CorePair in virtual time."""
+"""PrefillCore: the Prefill rank's room lifecycle and every failure path of
+docs/protocol.md#proto-failures, driven with a Decode core through CorePair in virtual
+time."""
 
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ def test_dummy_only_room_succeeds_at_hand_over_without_messages() -> None:
         pair.close()
 
 
-# --- abort (§7.9.1)
+# --- abort (docs/protocol.md#proto-failure-epd-abort)
 
 
 def test_epd_abort_before_register_answers_preallocation_and_fails_both_sides(
@@ -207,7 +208,7 @@ def test_aborted_untracked_room_is_dropped_after_the_unclaimed_ttl(pair: CorePai
     assert pair.room_tables_empty()
 
 
-# --- transfer failure (§7.9.2)
+# --- transfer failure (docs/protocol.md#proto-failure-decode-death)
 
 
 def test_write_failure_fails_both_sides_and_fast_fails_the_session(pair: CorePair) -> None:
@@ -285,7 +286,7 @@ def test_no_page_is_written_after_the_room_ended(pair: CorePair) -> None:
     assert pair.poll_prefill() == [Failed("a", "ended")]
 
 
-# --- registration (§7.9.4)
+# --- registration (docs/protocol.md#proto-registration-handling)
 
 
 def _registration(session: str, *, port: int = 8000, rank: int = 0, size: int = 1) -> list[bytes]:
@@ -382,7 +383,7 @@ def test_inconsistent_fanout_aborts_the_room() -> None:
     assert sorted(c.port for c in sent) == [8000, 8001]
 
 
-# --- pre-allocation (§7.9.5)
+# --- pre-allocation (docs/protocol.md#proto-preallocation-checks)
 
 
 def test_invalid_manifest_aborts_and_notifies(pair: CorePair) -> None:

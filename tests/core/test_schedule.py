@@ -1,4 +1,5 @@
-"""Producer schedule and step counter (spec §5.7)."""
+"""Producer schedule and step counter (docs/protocol.md#proto-producer-schedule,
+docs/protocol.md#proto-step-counter)."""
 
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ def test_step_ready_within_half_the_range(target: int, ahead: int) -> None:
 
 
 def test_interval_targets_examples() -> None:
-    """Spec §5.7 and R-pd `each_interval_completes_at_its_last_producer_step`."""
+    """docs/protocol.md#proto-step-counter and R-pd
+    `each_interval_completes_at_its_last_producer_step`."""
     assert interval_steps(0, 5, 2) == [1, 3, 4]
     assert interval_steps(0, 3, 1) == [0, 1, 2]
     assert interval_steps(3, 3, 1) == [3, 4, 5]

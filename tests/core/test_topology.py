@@ -1,4 +1,4 @@
-"""The accepted parallel topology (spec §1.3)."""
+"""The accepted parallel topology (docs/protocol.md#proto-topology)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Control-message codecs (spec §4): every message, bound, check order and exact
-error text, round trips, and the "decode or WireError, nothing else" property."""
+"""Control-message codecs (docs/protocol.md#proto-messages): every message, bound, check
+order and exact error text, round trips, and the "decode or WireError, nothing else"
+property."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ from tspd.core.wire import (
     session_port,
 )
 
-# A small valid contract in the S1 schema (spec §5.1): one full-history group.
+# A small valid contract in the S1 schema (docs/protocol.md#proto-contract-schema): one
+# full-history group.
 CONTRACT_TREE: dict[str, Any] = {
     "plan": {
         "prefix_granularity": 16,
@@ -266,8 +268,8 @@ def test_registration_needs_exactly_eight_frames(count: int) -> None:
 
 
 # Each step breaks one more frame, in reverse check order; the error must always
-# name the earliest broken frame of the §4.3 order 0, 1, 3, 2, 4 (length), 5, 6, 7,
-# 4 (non-zero).
+# name the earliest broken frame of the order of docs/protocol.md#proto-registration:
+# 0, 1, 3, 2, 4 (length), 5, 6, 7, 4 (non-zero).
 CHECK_ORDER: list[tuple[int, bytes, str]] = [
     (4, b"\x00" * 8, "CachePD slab pointer must be nonzero"),
     (7, b"9", "CachePD decode_tp_rank is out of range"),
@@ -469,7 +471,8 @@ def test_dummy_preallocation() -> None:
 
 def test_preallocation_parses_no_manifest_until_asked() -> None:
     # A broken manifest frame does not stop the route (room, session) from decoding;
-    # the Prefill rank answers an already-failed room before parsing it (§12 item 15).
+    # the Prefill rank answers an already-failed room before parsing it
+    # (docs/protocol.md#proto-preallocation-checks).
     pre = decode_preallocation([b"5", b"s:1", b"{not json"])
     assert pre.room == 5
     with pytest.raises(ContractError, match="invalid Cache block manifest JSON"):

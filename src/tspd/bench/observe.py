@@ -1,9 +1,9 @@
 """``tspd bench observe``: what observability costs per room, per failure, per scrape.
 
-TokenSpeed's INFO logging costs ~30 % of its rooms/s (``notes/environment.md`` §9),
-so tspd logs per failure, never per room, and keeps per-room data in traces and
-metrics instead. This measures what that data costs, with the same loops as
-``tspd bench rooms`` (best of a few rounds after a warmup):
+TokenSpeed's INFO logging costs ~30 % of its rooms/s, so tspd logs per failure, never
+per room, and keeps per-room data in traces and metrics instead
+(docs/configuration.md#logging). This measures what that data costs, with the same loops
+as ``tspd bench rooms`` (best of a few rounds after a warmup):
 
 * a room's trace in a core: seven milestones, a transfer chunk and the finish;
 * the metrics of one finished room (outcome, duration, four phases, latency) and

@@ -4,7 +4,7 @@ Measured, with ``time.perf_counter`` loops after a warmup (best of a few rounds)
 
 * one room trigger through the compiled table (:mod:`tspd.core.machines`) against
   the same trigger through a ``transitions.Machine`` built from the same
-  declaration — the reason the hot path uses the table (design §3);
+  declaration — the reason the hot path uses the table (docs/state-machines.md);
 * one request's whole control-plane journey through a Prefill core and a Decode
   core wired by :class:`~tspd.testing.core_pair.CorePair` (registration, route,
   pre-allocation, hand-over, copy planning, status, polls), with tiny pages so the

@@ -1,24 +1,24 @@
 """The cache transfer contract ("layout"): one rank's KV-cache arena described as JSON.
 
-A contract (spec §5.1) names the arena's physical geometry (:class:`CacheMemoryPlan`:
-planes, page groups, fields), the semantics of each page group (:class:`GroupSpec`)
-and how fields are split across tensor-parallel ranks (:class:`TransferSchema`).
-It travels in registration frame 5, in the bootstrap ``PUT /route`` body and in the
-parallel-info reply, so its canonical serialisation is part of the wire: two
-Prefill ranks are compatible iff their contracts are equal as parsed objects, and a
-re-serialised contract must be byte-identical to the one TokenSpeed would emit.
+A contract (docs/protocol.md#proto-contract) names the arena's physical geometry
+(:class:`CacheMemoryPlan`: planes, page groups, fields), the semantics of each page
+group (:class:`GroupSpec`) and how fields are split across tensor-parallel ranks
+(:class:`TransferSchema`). It travels in registration frame 5, in the bootstrap
+``PUT /route`` body and in the parallel-info reply, so its canonical serialisation is
+part of the wire: two Prefill ranks are compatible iff their contracts are equal as
+parsed objects, and a re-serialised contract must be byte-identical to the one
+TokenSpeed would emit.
 
-The value types validate on construction exactly what TokenSpeed (S1) validates
-(§5.2: dtypes, group-spec geometry, the transfer schema), raising
-:class:`ContractError` with a specific message; :func:`parse_contract` wraps every
-decoding or validation failure as ``"invalid cache transfer contract"`` with the
-specific error chained, as the specification requires. A peer's contract describes
-the peer's memory, so anything S1 accepts is accepted from a peer: planes may
-overlap or interleave, strides and counts need not agree. The checks tspd adds on
-top apply only to this rank's own contract, through :func:`check_local_contract`
-(called by the Prefill and Decode configurations); the copy planner
-(:mod:`tspd.core.copies`) bounds-checks every copy against both registered arenas
-whatever a peer's contract says.
+The value types validate on construction exactly what TokenSpeed (S1) validates (dtypes,
+group-spec geometry, the transfer schema: docs/protocol.md#proto-contract-errors),
+raising :class:`ContractError` with a specific message; :func:`parse_contract` wraps
+every decoding or validation failure as ``"invalid cache transfer contract"`` with the
+specific error chained, as the specification requires. A peer's contract describes the
+peer's memory, so anything S1 accepts is accepted from a peer: planes may overlap or
+interleave, strides and counts need not agree. The checks tspd adds on top apply only to
+this rank's own contract, through :func:`check_local_contract` (called by the Prefill
+and Decode configurations); the copy planner (:mod:`tspd.core.copies`) bounds-checks
+every copy against both registered arenas whatever a peer's contract says.
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ MAX_GLOBAL_PARTS: Final = 16
 """Most parts a composite partition (``global_parts``) may name."""
 
 DEFAULT_PEER_PREFIX: Final = "Cache P/D contract mismatch: "
-"""The S3/R-pd prefix of peer-compatibility errors (§5.3)."""
+"""The S3/R-pd prefix of peer-compatibility errors (docs/protocol.md#proto-peer-compat)."""
 
 S1_PEER_PREFIX: Final = "Paged cache P/D contract mismatch: "
-"""The S1 prefix of peer-compatibility errors (§5.3)."""
+"""The S1 prefix of peer-compatibility errors (docs/protocol.md#proto-peer-compat)."""
 
 LOCAL_CONTRACT_PREFIX: Final = "local cache transfer contract: "
 """The prefix of every :func:`check_local_contract` error."""
@@ -233,7 +233,7 @@ class GroupSpec:
     History groups use row geometry (``rows_per_page`` rows every
     ``entry_stride_tokens`` tokens); state groups may instead snapshot every
     ``checkpoint_granularity`` tokens. ``replayable`` and ``shard_count`` are the S3
-    extensions accepted only in compatibility mode (§14.3).
+    extensions accepted only in compatibility mode (docs/protocol.md#proto-compat-levels).
     """
 
     group_id: str
@@ -367,13 +367,14 @@ class _Index:
 
 @dataclass(frozen=True, slots=True)
 class CacheContract:
-    """One rank's cache transfer contract (spec §5.1).
+    """One rank's cache transfer contract (docs/protocol.md#proto-contract).
 
     ``group_specs`` are in *group order*: the order every manifest and selection
-    follows. Construction validates what TokenSpeed validates (§5.2), so a peer's
-    contract is accepted whenever S1 would accept it; :func:`check_local_contract`
-    adds tspd's checks for this rank's own contract. :meth:`to_json` is the
-    canonical wire form and :func:`parse_contract` its inverse.
+    follows. Construction validates what TokenSpeed validates
+    (docs/protocol.md#proto-contract-errors), so a peer's contract is accepted whenever
+    S1 would accept it; :func:`check_local_contract` adds tspd's checks for this rank's
+    own contract. :meth:`to_json` is the canonical wire form and :func:`parse_contract`
+    its inverse.
     """
 
     plan: CacheMemoryPlan
@@ -477,7 +478,8 @@ class CacheContract:
         return 1 + (pages - 1) * self.group(group_id).shard_count
 
     def page_offset(self, f: FieldSpec | str, page: int) -> int:
-        """Byte offset of page ``page`` of a field inside this arena (spec §5.1).
+        """Byte offset of page ``page`` of a field inside this arena
+        (docs/protocol.md#proto-contract-derived).
 
         Page 1 starts right after the plane's null parent. A :class:`FieldSpec` is
         resolved by its id, so a peer's field of the same id gets this contract's
@@ -602,10 +604,10 @@ def _spec_object(s: GroupSpec) -> dict[str, Any]:
 def check_local_contract(contract: CacheContract) -> None:
     """Refuse this rank's *own* contract when tspd could not serve it safely.
 
-    TokenSpeed checks none of this (§5.2), and a peer's contract is never held to
-    it: a peer's contract describes the peer's memory, and every copy is
-    bounds-checked against both registered arenas before it is written. This
-    rank's contract describes memory tspd registers, fills and receives into, so
+    TokenSpeed checks none of this (docs/protocol.md#proto-contract-local), and a peer's
+    contract is never held to it: a peer's contract describes the peer's memory, and
+    every copy is bounds-checked against both registered arenas before it is written.
+    This rank's contract describes memory tspd registers, fills and receives into, so
     here tspd insists on:
 
     * positive ``prefix_granularity`` and ``lcm_block_bytes``, non-negative
@@ -793,13 +795,14 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_contract(data: bytes | str, *, compat: bool = False) -> CacheContract:
-    """Decode and validate a contract payload (spec §5.2).
+    """Decode and validate a contract payload (docs/protocol.md#proto-contract-errors).
 
     Unknown keys at the top level and directly inside ``plan`` and
     ``transfer_schema`` are ignored (and dropped from :meth:`CacheContract.to_json`);
     an unknown key inside any entry is invalid. ``compat=True`` additionally accepts
-    the S3 group spec keys ``replayable`` and ``shard_count`` (§14.3). Every failure
-    is a :class:`ContractError` carrying the specification's message.
+    the S3 group spec keys ``replayable`` and ``shard_count``
+    (docs/protocol.md#proto-compat-levels). Every failure is a :class:`ContractError`
+    carrying the message docs/protocol.md#proto-contract-errors gives.
 
     Only what S1 checks is checked, so a peer's contract is accepted whenever
     TokenSpeed would accept it (overlapping or interleaved planes included); hold
@@ -1037,7 +1040,8 @@ def _choice(value: Any, choices: Sequence[str], where: str) -> str:
 def validate_peer_layout(
     local: CacheContract, peer: CacheContract, *, prefix: str = DEFAULT_PEER_PREFIX
 ) -> None:
-    """Refuse a peer whose contract cannot exchange pages with ``local`` (§5.3).
+    """Refuse a peer whose contract cannot exchange pages with ``local``
+    (docs/protocol.md#proto-peer-compat).
 
     Capacity, packing, plane offsets, strides and arena sizes may differ; the
     token grain, group order and semantics, field pairing, dtypes, partitions and

@@ -1,29 +1,30 @@
 """Copy generation: a planned registration and a request's block ids → byte copies.
 
 A copy is one ``(src, dst, length)`` descriptor handed to the transfer engine: ``src``
-an absolute address in this rank's registered arena, ``dst`` one in the Decode
-rank's. :func:`plan_copies` reproduces the emission order of spec §6.7 exactly
-(group → field or fragment → page → row), vectorised with numpy over pages and rows
-so a room of tens of thousands of pages costs a few array operations, not a Python
+an absolute address in this rank's registered arena, ``dst`` one in the Decode rank's.
+:func:`plan_copies` reproduces the emission order of docs/protocol.md#proto-copies
+exactly (group → field or fragment → page → row), vectorised with numpy over pages and
+rows so a room of tens of thousands of pages costs a few array operations, not a Python
 loop per page. A small plan (at most :data:`SMALL_PLAN_COPIES` copies, a typical
 hand-over of a few pages) is built with plain Python ints instead, where numpy's
-per-call overhead would dominate: same copies, same order, same checks, and any
-input the fast path does not plainly accept is re-planned by numpy, which raises
-the usual error. Facts that depend only on the route (group order, arena lengths,
-per-field offsets and strides) are derived once and kept across rooms.
+per-call overhead would dominate: same copies, same order, same checks, and any input
+the fast path does not plainly accept is re-planned by numpy, which raises the usual
+error. Facts that depend only on the route (group order, arena lengths, per-field
+offsets and strides) are derived once and kept across rooms.
 
 Three transport-facing steps follow planning, each a pure function of a plan:
 
 * :func:`coalesce` merges runs of copies that are adjacent on both sides. Mooncake
-  over TCP costs about 40 µs a descriptor, so one write per contiguous run instead
-  of one per page is the largest single saving (``notes/environment.md`` §2, §9).
+  over TCP costs about 40 µs a descriptor (``tspd bench pd`` measures it), so one
+  write per contiguous run instead of one per page is the largest single saving
+  (docs/protocol.md#proto-copies).
 * :func:`check_bounds` proves every copy lies inside both registered arenas: the
   TCP transport does not check the local source, so a plan that leaves an arena is
   refused here, before any write.
 * :func:`batches` cuts a plan into engine calls of at most
   :data:`DEFAULT_MAX_DESCRIPTORS` descriptors.
 
-Every copy of every step is planned before the first write (spec §12 item 10):
+Every copy of every step is planned before the first write (docs/protocol.md#proto-copies):
 :func:`plan_steps` returns all step plans at once or raises.
 """
 
@@ -178,8 +179,9 @@ def coalesce(plan: CopyPlan) -> CopyPlan:
     in the same order relative to every other copy, so even a plan whose
     destinations overlap (which no valid manifest produces, and whose outcome a
     parallel engine would not define anyway) keeps its last-writer-wins result.
-    Sorting first would find more runs in scattered plans, but §6.7 emission order
-    is page-major per field, so contiguous allocations are already neighbours.
+    Sorting first would find more runs in scattered plans, but the emission order of
+    docs/protocol.md#proto-copies is page-major per field, so contiguous allocations
+    are already neighbours.
     """
     n = len(plan)
     if n < 2:
@@ -238,7 +240,7 @@ def batches(plan: CopyPlan, max_descriptors: int = DEFAULT_MAX_DESCRIPTORS) -> I
         yield CopyPlan(plan.src[start:stop], plan.dst[start:stop], plan.length[start:stop])
 
 
-# -- planning (§6.7) -----------------------------------------------------------
+# -- planning (docs/protocol.md#proto-copies) ------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,11 +373,12 @@ def _lanes(
     by_group: Mapping[str, Sequence[Fragment]] | None,
     fields: frozenset[str] | None,
 ) -> list[_Lane]:
-    """The lanes of one group for one step, in §6.7 order (fragments in registration
-    order, else the group's fields sorted by id). Both planning paths share this, so
-    they copy with the same offsets and strides. Each lane is checked to stay within
-    :data:`MAX_ADDRESS` over all of its group's pages on both sides (a peer's
-    contract may describe any geometry), so no int64 arithmetic downstream wraps."""
+    """The lanes of one group for one step, in the order of
+    docs/protocol.md#proto-copies (fragments in registration order, else the group's
+    fields sorted by id). Both planning paths share this, so they copy with the same
+    offsets and strides. Each lane is checked to stay within :data:`MAX_ADDRESS` over
+    all of its group's pages on both sides (a peer's contract may describe any
+    geometry), so no int64 arithmetic downstream wraps."""
     lanes: list[_Lane] = []
     if by_group is not None:
         for fragment in by_group.get(group_id, ()):
@@ -745,10 +748,11 @@ def plan_steps(
     against both arenas before this returns, so a bad plan fails before any write.
 
     ``source`` is this rank's block manifest (full mode) or the chunk's selection
-    (layerwise). Each plan is in §6.7 emission order, and passed through
-    :func:`coalesce` when ``coalesced``. A plan of at most ``small_limit`` copies is
-    built in plain Python (same copies, same checks); bigger ones, and any plan
-    that fails a check, go through numpy. ``small_limit=0`` forces numpy.
+    (layerwise). Each plan is in the emission order of docs/protocol.md#proto-copies,
+    and passed through :func:`coalesce` when ``coalesced``. A plan of at most
+    ``small_limit`` copies is built in plain Python (same copies, same checks); bigger
+    ones, and any plan that fails a check, go through numpy. ``small_limit=0`` forces
+    numpy.
     """
     route = _route(src_contract, src_base, dst_contract, dst_base, registration)
     src_len, dst_len = route.src_len, route.dst_len
@@ -793,8 +797,9 @@ def plan_copies(
     registration: PlannedRegistration,
     fields: frozenset[str] | None = None,
 ) -> CopyPlan:
-    """The copies that move ``source``'s pages to one destination (spec §6.7),
-    limited to ``fields`` when given. See :func:`plan_steps`."""
+    """The copies that move ``source``'s pages to one destination
+    (docs/protocol.md#proto-copies), limited to ``fields`` when given. See
+    :func:`plan_steps`."""
     (plan,) = plan_steps(
         src_contract=src_contract,
         src_base=src_base,

@@ -1,8 +1,8 @@
 """The error types of the sans-IO core.
 
 Every error raised by :mod:`tspd.core` is a :class:`TspdError`. Error messages that
-the specification fixes (``spec/protocol.md``) are reproduced verbatim, because
-peers and operators match on them.
+the protocol fixes (docs/protocol.md#proto-reference) are reproduced verbatim,
+because peers and operators match on them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""The interop test pattern (spec §15): bytes a Prefill writes and a Decode expects.
+"""The interop test pattern: bytes a Prefill writes and a Decode expects.
 
-This is a tspd convention, not part of TokenSpeed's wire. It fixes, from a seed and
-a room alone, the payload of every transferred block and the bootstrap token with its
-speculative candidates, so two implementations (or two processes of this one) can
-verify each other's transfers byte for byte without sharing any state.
+The pattern is stated in docs/protocol.md#proto-interop. This is a tspd convention, not
+part of TokenSpeed's wire. It fixes, from a seed and a room alone, the payload of every
+transferred block and the bootstrap token with its speculative candidates, so two
+implementations (or two processes of this one) can verify each other's transfers byte
+for byte without sharing any state.
 
 Every value is SHAKE-256 of an ASCII message, truncated to the length wanted:
 

@@ -1,11 +1,11 @@
 """KV-event publisher configuration: TokenSpeed's ``--kv-events-config`` and endpoint rules.
 
-The configuration is a JSON object (spec §9.5) with the fields of
+The configuration is a JSON object (docs/protocol.md#proto-kv-config) with the fields of
 :class:`KVEventsConfig`; unknown keys are ignored the way TokenSpeed's pydantic
 model ignores them, but they are reported in :attr:`KVEventsConfig.unknown_keys` so
 the shell can warn about a misspelt field.
 
-Endpoint rules (spec §9.6, R-ev where the sources differ):
+Endpoint rules (docs/protocol.md#proto-kv-endpoints, R-ev where the sources differ):
 
 * a DP rank other than 0 moves a ``tcp`` endpoint's port by the rank; any other
   endpoint with a non-zero rank is refused (a second rank on the same IPC path

@@ -1,10 +1,11 @@
 """KV-cache events: the wire structs, their byte-exact msgpack encoding, and decoders.
 
 One *batch* is the prefix-cache mutations of one scheduler round on one attention-DP
-rank (spec §9.1). tspd encodes batches exactly as TokenSpeed does (msgspec's
-"array-like" tagged structs, spec §9.2), so its bytes are identical to TokenSpeed's
-and readable by every consumer written against vLLM's legacy format (Dynamo, llm-d,
-SGLang's router): plain msgpack arrays, the event's class name first.
+rank (docs/protocol.md#proto-kv-source). tspd encodes batches exactly as TokenSpeed does
+(msgspec's "array-like" tagged structs, docs/protocol.md#proto-kv-wire), so its bytes
+are identical to TokenSpeed's and readable by every consumer written against vLLM's
+legacy format (Dynamo, llm-d, SGLang's router): plain msgpack arrays, the event's class
+name first.
 
 Decoding is lenient where peers differ and strict where the bytes are wrong:
 
@@ -19,8 +20,8 @@ Decoding is lenient where peers differ and strict where the bytes are wrong:
   msgpack extension types -- raises :class:`~tspd.core.errors.WireError`, never
   anything else.
 
-The live PUB frames ``[topic, seq, payload]`` (spec §9.3) are also here; the replay
-frames are in :mod:`tspd.core.replay`.
+The live PUB frames ``[topic, seq, payload]`` (docs/protocol.md#proto-kv-pub) are also
+here; the replay frames are in :mod:`tspd.core.replay`.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ class KVEventBatch:
 
 
 def block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
-    """The 64-bit FNV-1a block hash of spec §9.2 (for consumers that recompute hashes).
+    """The 64-bit FNV-1a block hash of docs/protocol.md#proto-kv-wire (for consumers
+    that recompute hashes).
 
     Input bytes: ``1`` and the parent's 8 little-endian bytes if there is a parent,
     else ``0``; the token count as 8 little-endian bytes; each token id as 4
@@ -165,7 +167,7 @@ _REMOVED_KINDS: Final = frozenset({"blockremoved", "removed"})
 
 
 def from_scheduler_event(native: Any) -> KVEvent:
-    """One scheduler-native event as its wire struct (spec §9.1).
+    """One scheduler-native event as its wire struct (docs/protocol.md#proto-kv-source).
 
     Dispatches on the event's ``kind`` attribute, not on its shape; integers are
     coerced to plain ``int`` (the binding may hand out numpy or C++ integers).
@@ -517,7 +519,8 @@ class PubMessage:
 
 
 def encode_pub_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
-    """The three live frames ``[topic, seq (8 B big-endian), payload]`` (spec §9.3)."""
+    """The three live frames ``[topic, seq (8 B big-endian), payload]``
+    (docs/protocol.md#proto-kv-pub)."""
     if not 0 <= seq <= _U64_MAX:
         raise ValueError(f"sequence number {seq} is outside the unsigned 64-bit range")
     return [topic, seq.to_bytes(8, "big"), payload]

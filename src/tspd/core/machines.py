@@ -5,17 +5,20 @@ Each machine is a :class:`MachineDeclaration` written in the vocabulary of the
 ``{"trigger", "source", "dest"}`` dicts) so that ``transitions.Machine(**decl.as_kwargs())``
 and its diagram support accept it unchanged. The core itself never imports
 ``transitions``: a ``Machine`` costs ~7.5 µs a trigger against ~0.2 µs for a dict
-lookup (``notes/environment.md`` §5), so the hot path uses :class:`CompiledMachine`,
-a ``{(state, trigger): next_state}`` table built from the same declaration.
+lookup (measured), so the hot path uses :class:`CompiledMachine`, a
+``{(state, trigger): next_state}`` table built from the same declaration
+(docs/state-machines.md).
 ``tests/core/test_machines.py`` drives a real ``transitions.Machine`` and the
 compiled table through every (state, trigger) pair and requires identical outcomes.
 
-Machines (spec §7.3, §7.5, §7.9.3):
+Machines:
 
-* :data:`PREFILL_ROOM` — one room on one Prefill rank.
-* :data:`DECODE_ROOM` — one room on one Decode rank.
+* :data:`PREFILL_ROOM` — one room on one Prefill rank
+  (docs/protocol.md#proto-prefill-room-table).
+* :data:`DECODE_ROOM` — one room on one Decode rank
+  (docs/protocol.md#proto-decode-room-table).
 * :data:`PREFILL_ADDRESS_HEALTH` — a Decode rank's view of one Prefill bootstrap
-  address, driven by heartbeats.
+  address, driven by heartbeats (docs/protocol.md#proto-failure-prefill-death).
 
 Room rules kept by the tables: ``Failed`` is sticky (every trigger from ``Failed``
 stays ``Failed``, except ``forget``, which ends the room); other progress is
@@ -56,9 +59,10 @@ __all__ = [
 class RoomState(enum.StrEnum):
     """A room's state on either side. ``ABSENT`` means "no entry": the room was never
     seen, or it ended and was forgotten. The others are the :class:`TransferPoll`
-    values of the same name. Neither side ever sets ``Transferring`` itself (spec
-    §7.1); a Decode room takes it when an expected Prefill rank reports it (§7.5,
-    "any other status value → monotonic update"; TokenSpeed's Prefill never sends it,
+    values of the same name. Neither side ever sets ``Transferring`` itself
+    (docs/protocol.md#proto-transfer-poll); a Decode room takes it when an expected
+    Prefill rank reports it after the pre-allocation
+    (docs/protocol.md#proto-decode-room-table; TokenSpeed's Prefill never sends it,
     other implementations may)."""
 
     ABSENT = "Absent"
@@ -89,7 +93,7 @@ _POLL_OF_STATE: Final[Mapping[RoomState, TransferPoll | None]] = MappingProxyTyp
 
 
 class PrefillTrigger(enum.StrEnum):
-    """What happens to a room on a Prefill rank (spec §7.3)."""
+    """What happens to a room on a Prefill rank (docs/protocol.md#proto-prefill-room-table)."""
 
     #: The scheduler registered the room's request on this rank.
     REGISTER = "register"
@@ -109,7 +113,7 @@ class PrefillTrigger(enum.StrEnum):
 
 
 class DecodeTrigger(enum.StrEnum):
-    """What happens to a room on a Decode rank (spec §7.5)."""
+    """What happens to a room on a Decode rank (docs/protocol.md#proto-decode-room-table)."""
 
     #: The scheduler registered the request (its receiver was created).
     REGISTER = "register"
@@ -118,12 +122,13 @@ class DecodeTrigger(enum.StrEnum):
     #: The manifest was validated and every pre-allocation went out.
     PREALLOCATED = "preallocated"
     #: An expected Prefill rank reported ``Transferring`` (a status other than
-    #: ``Success``/``Failed``: monotonic update, spec §7.5). A room this rank has
-    #: pre-allocated moves to ``Transferring``; an earlier one keeps its state, since
-    #: planning the route and pre-allocating are this rank's own steps and a peer's
-    #: report cannot skip them; ``Success`` and ``Failed`` stay. The other statuses
-    #: before ``Success`` are never ahead of a pre-allocated room, so they change
-    #: nothing and need no trigger.
+    #: ``Success``/``Failed``, a monotonic update:
+    #: docs/protocol.md#proto-decode-room-table). A room this rank has pre-allocated
+    #: moves to ``Transferring``; an earlier one keeps its state, since planning the
+    #: route and pre-allocating are this rank's own steps and a peer's report cannot
+    #: skip them; ``Success`` and ``Failed`` stay. The other statuses before ``Success``
+    #: are never ahead of a pre-allocated room, so they change nothing and need no
+    #: trigger.
     TRANSFERRING = "transferring"
     #: ``Success`` from an expected Prefill rank; the completion set is not full yet.
     RANK_DONE = "rank_done"
@@ -140,7 +145,8 @@ class DecodeTrigger(enum.StrEnum):
 
 
 class AddressHealth(enum.StrEnum):
-    """A Prefill bootstrap address as a Decode rank's heartbeat sees it (spec §7.9.3)."""
+    """A Prefill bootstrap address as a Decode rank's heartbeat sees it
+    (docs/protocol.md#proto-failure-prefill-death)."""
 
     HEALTHY = "healthy"
     SUSPECT = "suspect"
@@ -262,8 +268,9 @@ _KNOWN: Final = (
 )
 _PREFILL_KNOWN: Final = (_S.BOOTSTRAPPING, _S.BOOTSTRAPPED, _S.SUCCESS, _S.FAILED)
 
-#: A Prefill rank's room (spec §7.3). ``WaitingForInput`` and ``Transferring`` are
-#: never set on Prefill, so the declaration does not list them.
+#: A Prefill rank's room (docs/protocol.md#proto-prefill-room-table).
+#: ``WaitingForInput`` and ``Transferring`` are never set on Prefill, so the declaration
+#: does not list them.
 PREFILL_ROOM: Final[MachineDeclaration] = _declare(
     "PrefillRoom",
     (_S.ABSENT, *_PREFILL_KNOWN),
@@ -296,7 +303,7 @@ PREFILL_ROOM: Final[MachineDeclaration] = _declare(
     },
 )
 
-#: A Decode rank's room (spec §7.5).
+#: A Decode rank's room (docs/protocol.md#proto-decode-room-table).
 DECODE_ROOM: Final[MachineDeclaration] = _declare(
     "DecodeRoom",
     (_S.ABSENT, *_KNOWN),
@@ -349,7 +356,8 @@ DECODE_ROOM: Final[MachineDeclaration] = _declare(
 _H = AddressHealth
 _T = HealthTrigger
 
-#: A Prefill bootstrap address seen from a Decode rank's heartbeat (spec §7.9.3).
+#: A Prefill bootstrap address seen from a Decode rank's heartbeat
+#: (docs/protocol.md#proto-failure-prefill-death).
 #: ``dead`` is terminal: the address's cached info and room tracker are dropped,
 #: and the next request for it starts a fresh, ``healthy`` entry.
 PREFILL_ADDRESS_HEALTH: Final[MachineDeclaration] = _declare(

@@ -1,16 +1,17 @@
-"""Transfer route planning between a Prefill TP group and a Decode TP group (spec §6).
+"""Transfer route planning between a Prefill TP group and a Decode TP group.
 
-A *route* says, for one Decode TP rank, which Prefill TP ranks hold its bytes and
-which byte ranges of each field page each one sends (:class:`Fragment`). Equal TP
-sizes use the whole-copy route: Decode rank ``d`` reads Prefill rank ``d`` and an
-empty fragment tuple means "copy every field whole". Heterogeneous TP sizes split
-head-partitioned fields into per-rank intervals and read replicated fields from one
-Prefill rank.
+The rules are those of docs/protocol.md#proto-planning. A *route* says, for one Decode
+TP rank, which Prefill TP ranks hold its bytes and which byte ranges of each field page
+each one sends (:class:`Fragment`). Equal TP sizes use the whole-copy route: Decode rank
+``d`` reads Prefill rank ``d`` and an empty fragment tuple means "copy every field
+whole". Heterogeneous TP sizes split head-partitioned fields into per-rank intervals and
+read replicated fields from one Prefill rank.
 
 Both peers plan: Decode with :class:`RoutePlanner` to learn which Prefill ranks to
-register with and expect status from (§6.4), Prefill with :func:`plan_registration`
-once per registration to learn what to send (§6.5). Planning is per registration,
-never per room, so :class:`RoutePlanner` caches every rank's route.
+register with and expect status from (docs/protocol.md#proto-dummies), Prefill with
+:func:`plan_registration` once per registration to learn what to send
+(docs/protocol.md#proto-prefill-planning). Planning is per registration, never per
+room, so :class:`RoutePlanner` caches every rank's route.
 
 Error messages use TokenSpeed's newer "Cache …" wording (S3/R-pd) verbatim.
 """
@@ -39,7 +40,7 @@ __all__ = [
     "validate_owner_filters",
 ]
 
-#: Largest TP size either peer may declare (spec §6.1).
+#: Largest TP size either peer may declare (docs/protocol.md#proto-planner-checks).
 MAX_TP_SIZE = 1024
 
 
@@ -65,7 +66,8 @@ class Fragment:
 
 @dataclass(frozen=True, slots=True)
 class OwnerFilter:
-    """Which virtual blocks of a DCP-sharded Prefill group this rank owns (§6.6).
+    """Which virtual blocks of a DCP-sharded Prefill group this rank owns
+    (docs/protocol.md#proto-owner-filters).
 
     Virtual block ``v >= 1`` belongs to owner ``(v - 1) % owner_count`` and lives in
     that owner's local page ``(v - 1) // owner_count + 1``; block 0 is never owned.
@@ -119,7 +121,8 @@ class DecodeRoute:
 
 @dataclass(frozen=True, slots=True)
 class PlannedRegistration:
-    """What one Prefill rank keeps for one Decode rank's registration (§6.5).
+    """What one Prefill rank keeps for one Decode rank's registration
+    (docs/protocol.md#proto-prefill-planning).
 
     ``is_dummy``: this Prefill rank owns no data for the Decode TP group and only
     takes part in the status agreement; it then expects Decode rank 0 alone.
@@ -145,7 +148,8 @@ class FanoutMember(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class _Shards:
-    """How a partitioned field is split over one peer's TP group (§6.3)."""
+    """How a partitioned field is split over one peer's TP group
+    (docs/protocol.md#proto-fragments)."""
 
     local_extent: int
     replicas: int  # R = T / N: ranks holding the same shard
@@ -195,12 +199,14 @@ def _shard_count(contract: CacheContract, group_id: str) -> int:
 
 class RoutePlanner:
     """Routes between a Prefill TP group of ``prefill_tp`` ranks and a Decode TP
-    group of ``decode_tp`` ranks, validated once (§6.1) and cached per Decode rank.
+    group of ``decode_tp`` ranks, validated once (docs/protocol.md#proto-planner-checks)
+    and cached per Decode rank.
 
-    Raises :class:`ContractError` when the two contracts are incompatible (§5.3,
-    or different rank-local field geometry at equal TP sizes) and :class:`PlanError`
-    when the peers cannot exchange caches otherwise: bad TP sizes, a partition that
-    does not map onto a TP size, or an unsupported DCP sharding.
+    Raises :class:`ContractError` when the two contracts are incompatible
+    (docs/protocol.md#proto-peer-compat, or different rank-local field geometry at equal
+    TP sizes) and :class:`PlanError` when the peers cannot exchange caches otherwise:
+    bad TP sizes, a partition that does not map onto a TP size, or an unsupported DCP
+    sharding.
     """
 
     def __init__(
@@ -220,7 +226,8 @@ class RoutePlanner:
         self._served: dict[int, frozenset[int]] | None = None
 
         self._group_ids: tuple[str, ...] = tuple(prefill.group_ids)
-        # Field pairs per group, in sorted-id order (§5.1 fields_for_group).
+        # Field pairs per group, in sorted-id order (fields_for_group,
+        # docs/protocol.md#proto-contract-derived).
         self._pairs: dict[str, tuple[tuple[FieldSpec, FieldSpec], ...]] = {
             gid: tuple(
                 zip(prefill.fields_for_group(gid), decode.fields_for_group(gid), strict=True)
@@ -228,8 +235,8 @@ class RoutePlanner:
             for gid in self._group_ids
         }
         pairs = [pair for group in self._pairs.values() for pair in group]
-        # Checks in the order of the spec's §6.1 table, so that a contract with
-        # several faults reports the one TokenSpeed would.
+        # Checks in the order of the table in docs/protocol.md#proto-planner-checks,
+        # so that a contract with several faults reports the one TokenSpeed would.
         if prefill_tp == decode_tp:
             for local, peer in pairs:
                 if local.shape != peer.shape or local.payload_bytes != peer.payload_bytes:
@@ -370,7 +377,7 @@ class RoutePlanner:
                     ),
                 )
 
-    # -- served sets, expected ranks, dummies (§6.4) -------------------------
+    # -- served sets, expected ranks, dummies (docs/protocol.md#proto-dummies) ----
 
     def _served_sets(self) -> dict[int, frozenset[int]]:
         if self._served is None:
@@ -405,7 +412,7 @@ class RoutePlanner:
         return tuple(sorted(targets))
 
 
-# -- Prefill side (§6.5, §6.6) -------------------------------------------------
+# -- Prefill side (docs/protocol.md#proto-prefill-planning) --------------------
 
 
 def validate_owner_filters(
@@ -413,7 +420,8 @@ def validate_owner_filters(
     fragments: Sequence[Fragment],
     owner_filters: OwnerFilters,
 ) -> None:
-    """Check one registration's owner filters against the local group specs (§6.6)."""
+    """Check one registration's owner filters against the local group specs
+    (docs/protocol.md#proto-owner-filters)."""
     sharded = {gid: _shard_count(contract, gid) for gid in contract.group_ids}
     sharded = {gid: count for gid, count in sharded.items() if count > 1}
     with_fragments = {fragment.group_id for fragment in fragments}
@@ -456,9 +464,10 @@ def plan_registration(
     decode_contract: CacheContract,
 ) -> PlannedRegistration:
     """Plan what Prefill rank ``prefill_rank`` sends for one Decode rank's
-    registration (§6.5). Raises :class:`ContractError` (incompatible contracts) or
-    :class:`PlanError`, whose message becomes the registration's rejection reason
-    (§7.9.4)."""
+    registration (docs/protocol.md#proto-prefill-planning). Raises
+    :class:`ContractError` (incompatible contracts) or :class:`PlanError`, whose
+    message becomes the registration's rejection reason
+    (docs/protocol.md#proto-registration-handling)."""
     planner = RoutePlanner(prefill_tp, decode_tp, prefill_contract, decode_contract)
     route = planner.plan(decode_rank)
     served = planner.decode_ranks_by_prefill_rank(prefill_rank)
@@ -485,7 +494,8 @@ def plan_registration(
 def validate_fanout(
     members: Sequence[FanoutMember | tuple[int, int, frozenset[int]] | None],
 ) -> None:
-    """Check a room's complete destination set on a Prefill rank (§6.5).
+    """Check a room's complete destination set on a Prefill rank
+    (docs/protocol.md#proto-fanout).
 
     ``members`` has one entry per destination: its registration's
     ``(decode_tp_size, decode_tp_rank, expected_decode_ranks)``, or ``None`` when the

@@ -1,4 +1,7 @@
-"""``TransferPoll``: a room's status, on the wire and in the replica agreement (spec §7.1)."""
+"""``TransferPoll``: a room's status, on the wire and in the replica agreement.
+
+The values are those of docs/protocol.md#proto-transfer-poll.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ __all__ = ["FaultInjection", "TransferPoll"]
 
 class TransferPoll(enum.IntEnum):
     """Room status values. The integer values are wire values and their order is
-    the MIN order of the replica agreement (spec §7.7)."""
+    the MIN order of the replica agreement (docs/protocol.md#proto-replica-agreement)."""
 
     FAILED = 0
     BOOTSTRAPPING = 1

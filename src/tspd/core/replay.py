@@ -1,11 +1,11 @@
 """The replay side of the KV-event stream: the bounded buffer and the ROUTER frames.
 
-Protocol (spec §9.4, byte-for-byte TokenSpeed S1): a client's DEALER sends
-``[b"", start_seq]``, which the publisher's ROUTER sees as
+Protocol (docs/protocol.md#proto-kv-replay, byte-for-byte TokenSpeed S1): a client's
+DEALER sends ``[b"", start_seq]``, which the publisher's ROUTER sees as
 ``[client, b"", start_seq]``; the publisher answers with one
 ``[client, b"", seq, payload]`` per buffered batch with ``seq >= start_seq``, in
-ascending order, then the end marker ``[client, b"", 0xFF * 8, b""]`` (sequence
--1). The end marker is always sent, also when nothing matched.
+ascending order, then the end marker ``[client, b"", 0xFF * 8, b""]`` (sequence -1). The
+end marker is always sent, also when nothing matched.
 
 How a client learns that a replay was cut short: the batches of one replay are a
 contiguous ascending run, and the end marker follows the last batch actually sent.

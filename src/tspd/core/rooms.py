@@ -1,4 +1,5 @@
-"""Room status tables (spec §7.2): one per rank, keyed by ``bootstrap_room``.
+"""Room status tables (docs/protocol.md#proto-room-table): one per rank, keyed by
+``bootstrap_room``.
 
 A :class:`RoomTable` holds each known room's :class:`~tspd.core.machines.RoomState`
 and at most one failure reason. Every state change goes through the room's compiled

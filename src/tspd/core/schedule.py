@@ -1,10 +1,12 @@
-"""The producer schedule and the step counter: when layerwise KV is readable (§5.7).
+"""The producer schedule and the step counter: when layerwise KV is readable.
 
-A Prefill forward writes the KV cache one *producer step* at a time (each attention
-layer records a step once it has written its pages; a drafter records one final
-step). The device counts completed steps modulo :data:`STEP_MODULUS` into a pinned
-host word; the host reserves each forward's whole range of steps up front and waits
-for the last step of every transfer interval before sending that interval's fields.
+The rules are those of docs/protocol.md#proto-producer-schedule and
+docs/protocol.md#proto-step-counter. A Prefill forward writes the KV cache one *producer
+step* at a time (each attention layer records a step once it has written its pages; a
+drafter records one final step). The device counts completed steps modulo
+:data:`STEP_MODULUS` into a pinned host word; the host reserves each forward's whole
+range of steps up front and waits for the last step of every transfer interval before
+sending that interval's fields.
 
 Everything here is Prefill-local; nothing travels on the wire.
 """

@@ -15,7 +15,8 @@ or :meth:`SeqTracker.drain_commands`:
 * :class:`PublisherRestarted` -- the sequence went back (a new publisher process):
   everything known about this publisher is stale.
 
-Rules (spec §9.8, with the failures routers keep hitting designed out):
+Rules (docs/protocol.md#proto-kv-subscriber, with the failures routers keep hitting
+designed out):
 
 * A gap (live ``seq`` above the next expected) buffers live batches and requests a
   replay from the first missing sequence. Replayed batches below the next expected

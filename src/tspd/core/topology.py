@@ -1,4 +1,4 @@
-"""The attention-parallel topology a PD rank runs in (spec §1.3)."""
+"""The attention-parallel topology a PD rank runs in (docs/protocol.md#proto-topology)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,8 @@ class ParallelTopology:
 
 
 def require_single_dp_without_attention(dp_size: int, *, dp_attention: bool) -> None:
-    """Without DP attention, disaggregation serves one DP group only (§1.2)."""
+    """Without DP attention, disaggregation serves one DP group only
+    (docs/protocol.md#proto-room-routing)."""
     if not dp_attention and dp_size != 1:
         raise ConfigError(
             "If dp_attention is not enabled, dp size must be 1 in disaggregation mode."

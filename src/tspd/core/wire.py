@@ -1,32 +1,34 @@
-"""Codecs of the control messages exchanged over ZMQ (spec §4).
+"""Codecs of the control messages exchanged over ZMQ (docs/protocol.md#proto-messages).
 
 Every message is a list of raw byte frames. Decoders take such a list and either
 return a frozen value or raise :class:`~tspd.core.errors.WireError` (or its
 subclass :class:`~tspd.core.errors.ContractError` for the contract and manifest
-frames) whose text is the specification's message, verbatim where the
-specification fixes one. Encoders produce exactly the frames the decoders accept
+frames) whose text is the protocol reference's message, verbatim where the
+reference fixes one. Encoders produce exactly the frames the decoders accept
 and refuse, with a ``WireError``, values that have no encoding.
 
 Messages and their direction:
 
-* registration (Decode → Prefill, 8 frames, §4.3) — :func:`decode_registration`;
-  its route header (endpoint, session, port) alone with
-  :func:`decode_registration_route`, so a registration whose later frames are bad
-  can still be rejected by route (§7.9.4);
-* pre-allocation (Decode → Prefill, 3 frames, §4.4) — :func:`decode_preallocation`
-  parses the room and the session only; the manifest frame is parsed later by
-  :meth:`Preallocation.manifest`, after the registration lookup and the
-  already-failed short-circuit (§12 item 15);
-* status (Prefill → Decode, 3..7 frames, §4.5) — :func:`encode_status` always
-  sends the 7-frame form (§14.1), :func:`decode_status` accepts 3..7;
-* EPD embedding status (Encode → Prefill, 3 frames, §4.7).
+* registration (Decode → Prefill, 8 frames, docs/protocol.md#proto-registration) —
+  :func:`decode_registration`; its route header (endpoint, session, port) alone
+  with :func:`decode_registration_route`, so a registration whose later frames are
+  bad can still be rejected by route (docs/protocol.md#proto-registration-handling);
+* pre-allocation (Decode → Prefill, 3 frames, docs/protocol.md#proto-preallocation)
+  — :func:`decode_preallocation` parses the room and the session only; the manifest
+  frame is parsed later by :meth:`Preallocation.manifest`, after the registration
+  lookup and the already-failed short-circuit
+  (docs/protocol.md#proto-preallocation-checks);
+* status (Prefill → Decode, 3..7 frames, docs/protocol.md#proto-status) —
+  :func:`encode_status` always sends the 7-frame form
+  (docs/protocol.md#proto-compat-choices), :func:`decode_status` accepts 3..7;
+* EPD embedding status (Encode → Prefill, 3 frames, docs/protocol.md#proto-epd-status).
 
 Bounds for the sockets: :data:`MAX_CONTROL_FRAME_BYTES` and
 :data:`MAX_STATUS_FRAME_BYTES` are the largest frame a legal message of each socket
 has (the shell sets them as ``ZMQ_MAXMSGSIZE``, which libzmq applies per frame),
 :data:`MAX_CONTROL_FRAMES` and :data:`MAX_STATUS_FRAMES` the most frames. A
-registration's reply endpoint is checked to be usable as a ZMQ address (§3) before
-anything connects to it.
+registration's reply endpoint is checked to be usable as a ZMQ address
+(docs/protocol.md#proto-zmq) before anything connects to it.
 
 The two hot paths, pre-allocation decoding and status encoding, avoid regexes and
 per-call setup: integer frames are checked with ``bytes`` predicates and the
@@ -82,15 +84,18 @@ __all__ = [
     "session_port",
 ]
 
-# Bounds fixed by the specification (§4.3, §4.4, §5.1, §5.5).
+# Bounds fixed by the protocol (docs/protocol.md#proto-registration,
+# docs/protocol.md#proto-preallocation, docs/protocol.md#proto-contract-schema,
+# docs/protocol.md#proto-manifest-schema).
 REGISTRATION_MARKER: Final = b"None"
 MAX_ROOM: Final = 2**63 - 1
 MAX_ENDPOINT_CHARS: Final = 255
 MAX_SESSION_CHARS: Final = 512
 MAX_PORT: Final = 65535
 MAX_DECODE_TP_SIZE: Final = 1024
-# Bounds the specification leaves open; chosen wide enough for any real topology.
-# A status rank is pp_rank * tp_size + tp_rank (§4.5), kept inside int32.
+# Bounds the protocol leaves open; chosen wide enough for any real topology.
+# A status rank is pp_rank * tp_size + tp_rank (docs/protocol.md#proto-status), kept
+# inside int32.
 MAX_RANK: Final = 2**31 - 1
 #: The longest host name in a registration's endpoint (DNS: 253 characters).
 MAX_HOST_CHARS: Final = 253
@@ -108,16 +113,18 @@ _ZERO: Final = 48  # ord("0")
 
 # What the receiving sockets accept (libzmq's ZMQ_MAXMSGSIZE bounds each frame, not
 # the sum of a message's frames, so these are largest *frames*).
-#: Prefill control socket: a pre-allocation's manifest (2 MiB, §4.4, §5.5) is the
-#: largest frame; a registration's is its contract (256 KiB, §4.3, §5.1), its other
-#: frames are at most 512 bytes (the session id).
+#: Prefill control socket: a pre-allocation's manifest (2 MiB,
+#: docs/protocol.md#proto-preallocation) is the largest frame; a registration's is its
+#: contract (256 KiB, docs/protocol.md#proto-registration), its other frames are at
+#: most 512 bytes (the session id).
 MAX_CONTROL_FRAME_BYTES: Final = max(MAX_MANIFEST_BYTES, MAX_CONTRACT_BYTES, MAX_SESSION_CHARS)
 #: Prefill control socket: a registration's 8 frames (a pre-allocation has 3).
 MAX_CONTROL_FRAMES: Final = _REGISTRATION_FRAMES
 #: Decode status socket: the candidate frame, 4 bytes a candidate (16 KiB); the
-#: integer frames are at most 20 bytes and the logprob 8 (§4.5).
+#: integer frames are at most 20 bytes and the logprob 8 (docs/protocol.md#proto-status).
 MAX_STATUS_FRAME_BYTES: Final = 4 * MAX_SPEC_CANDIDATES
-#: Decode status socket: the 7-frame form (§4.5, §14.1).
+#: Decode status socket: the 7-frame form (docs/protocol.md#proto-status,
+#: docs/protocol.md#proto-compat-choices).
 MAX_STATUS_FRAMES: Final = 7
 
 _MSG_HEADER: Final = "Rejecting malformed Mooncake bootstrap message header"
@@ -136,7 +143,8 @@ _U64: Final = struct.Struct("<Q")
 _F64: Final = struct.Struct("<d")
 # Frames of the status values, so encoding a status allocates nothing for it.
 _POLL_FRAMES: Final[dict[int, bytes]] = {poll: b"%d" % poll for poll in TransferPoll}
-# Status by wire value: TransferPoll's values are 0..5 without gaps (§7.1).
+# Status by wire value: TransferPoll's values are 0..5 without gaps
+# (docs/protocol.md#proto-transfer-poll).
 _POLLS: Final[tuple[TransferPoll, ...]] = tuple(sorted(TransferPoll))
 _MAX_POLL: Final = len(_POLLS) - 1
 
@@ -166,7 +174,7 @@ def _uint(frame: bytes, name: str, minimum: int, maximum: int, max_digits: int) 
 
 
 def decode_uint(frame: bytes, *, name: str, minimum: int, maximum: int) -> int:
-    """Decode a canonical unsigned ASCII integer (§4.2).
+    """Decode a canonical unsigned ASCII integer (docs/protocol.md#proto-canonical-uint).
 
     Valid iff the frame has 1 to ``digits(maximum)`` bytes, all ASCII digits, no
     leading ``0`` unless it is exactly ``b"0"``, and the value is in
@@ -209,10 +217,10 @@ def endpoint_problem(endpoint: str) -> str | None:
     ``None`` when it can; ``endpoint`` is ASCII of 1..255 characters.
 
     The reply goes to ``tcp://<host>:<port>`` where ``host`` is the part of
-    ``endpoint`` before its first ``:`` (§3). ``host`` must be a host name (labels
-    of 1..63 letters, digits, ``-`` and ``_``, not starting or ending with ``-``,
-    at most 253 characters, one trailing ``.`` allowed) or a dotted-quad IPv4
-    address. The whole endpoint must be printable without spaces: it appears in
+    ``endpoint`` before its first ``:`` (docs/protocol.md#proto-zmq). ``host`` must
+    be a host name (labels of 1..63 letters, digits, ``-`` and ``_``, not starting or
+    ending with ``-``, at most 253 characters, one trailing ``.`` allowed) or a
+    dotted-quad IPv4 address. The whole endpoint must be printable without spaces: it appears in
     logs. IPv6 literals are refused: the first-``:`` rule cannot carry them.
     """
     if not endpoint.isprintable() or " " in endpoint:
@@ -251,7 +259,8 @@ def endpoint_problem(endpoint: str) -> str | None:
 
 
 def is_registration(frames: list[bytes]) -> bool:
-    """Whether a message on the Prefill control socket is a registration (§4.1).
+    """Whether a message on the Prefill control socket is a registration
+    (docs/protocol.md#proto-control-dispatch).
 
     Frame 0 equal to ``b"None"`` is a registration; any other ASCII frame 0 is a
     pre-allocation. A message without frames, or whose frame 0 is not ASCII, cannot
@@ -269,7 +278,8 @@ def is_registration(frames: list[bytes]) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class RouteHeader:
-    """Where a Decode rank wants its status messages, and who it is (§4.3 frames 1-3)."""
+    """Where a Decode rank wants its status messages, and who it is (frames 1-3 of
+    docs/protocol.md#proto-registration)."""
 
     endpoint: str
     port: int
@@ -277,19 +287,21 @@ class RouteHeader:
 
     @property
     def status_address(self) -> str:
-        """The ZMQ address of the Decode rank's status PULL socket (§3): only the part
-        of ``endpoint`` before its first ``:`` is used."""
+        """The ZMQ address of the Decode rank's status PULL socket
+        (docs/protocol.md#proto-zmq): only the part of ``endpoint`` before its first
+        ``:`` is used."""
         host = self.endpoint.split(":", 1)[0]
         return f"tcp://{host}:{self.port}"
 
 
 @dataclass(frozen=True, slots=True)
 class Registration:
-    """A Decode rank's registration with one Prefill TP rank (§4.3).
+    """A Decode rank's registration with one Prefill TP rank (docs/protocol.md#proto-registration).
 
-    Equality compares every field that matters for conflicts (§7.9.4), the contract
-    as a parsed object; ``contract_bytes`` (the frame as received, re-sent verbatim
-    by :func:`encode_registration`) is excluded so that two serialisations of one
+    Equality compares every field that matters for conflicts
+    (docs/protocol.md#proto-registration-handling), the contract as a parsed object;
+    ``contract_bytes`` (the frame as received, re-sent verbatim by
+    :func:`encode_registration`) is excluded so that two serialisations of one
     contract do not conflict.
     """
 
@@ -310,9 +322,10 @@ class Registration:
 
 def decode_registration_route(frames: list[bytes]) -> RouteHeader:
     """Decode a registration's route header, checking frames 0, 1, 3, 2 in that order
-    (§4.3) and nothing else. The endpoint must also pass :func:`endpoint_problem`:
-    an endpoint no socket can connect to is no route (the registration is dropped,
-    §7.9.4), and the error says why."""
+    (docs/protocol.md#proto-registration) and nothing else. The endpoint must also
+    pass :func:`endpoint_problem`: an endpoint no socket can connect to is no route
+    (the registration is dropped, docs/protocol.md#proto-registration-handling), and
+    the error says why."""
     if len(frames) != _REGISTRATION_FRAMES or frames[0] != REGISTRATION_MARKER:
         raise WireError(_MSG_REGISTRATION_FRAMES)
     endpoint = _ascii(frames[1], MAX_ENDPOINT_CHARS, _MSG_ENDPOINT)
@@ -325,12 +338,13 @@ def decode_registration_route(frames: list[bytes]) -> RouteHeader:
 
 
 def decode_registration(frames: list[bytes], *, compat: bool = False) -> Registration:
-    """Decode and validate a registration (§4.3).
+    """Decode and validate a registration (docs/protocol.md#proto-registration).
 
     Check order: route header (frames 0, 1, 3, 2), pointer length (4), contract (5),
     ``decode_tp_size`` (6), ``decode_tp_rank`` (7), pointer non-zero (4). Contract
-    errors are :class:`ContractError` with the §5.2 messages; ``compat`` is passed
-    to :func:`~tspd.core.contract.parse_contract` (accept the S3 group-spec keys).
+    errors are :class:`ContractError` with the messages of
+    docs/protocol.md#proto-contract-errors; ``compat`` is passed to
+    :func:`~tspd.core.contract.parse_contract` (accept the S3 group-spec keys).
     """
     route = decode_registration_route(frames)
     pointer = frames[4]
@@ -357,7 +371,8 @@ def decode_registration(frames: list[bytes], *, compat: bool = False) -> Registr
 
 def encode_registration(registration: Registration) -> list[bytes]:
     """The 8 frames of ``registration``; the pointer is unsigned 64-bit little-endian
-    (§14.2) and the contract frame is ``registration.contract_bytes``."""
+    (docs/protocol.md#proto-registration) and the contract frame is
+    ``registration.contract_bytes``."""
     reg = registration
     endpoint = _check_ascii(reg.endpoint, MAX_ENDPOINT_CHARS, _MSG_ENDPOINT)
     problem = endpoint_problem(reg.endpoint)
@@ -395,11 +410,13 @@ def encode_registration(registration: Registration) -> list[bytes]:
 
 @dataclass(frozen=True, slots=True)
 class Preallocation:
-    """A pre-allocation (§4.4) with its manifest frame still unparsed.
+    """A pre-allocation (docs/protocol.md#proto-preallocation) with its manifest
+    frame still unparsed.
 
     The Prefill rank looks the session's registration up and short-circuits an
-    already-failed room before it parses the manifest (§12 item 15), so parsing is
-    a separate step: :meth:`manifest`.
+    already-failed room before it parses the manifest
+    (docs/protocol.md#proto-preallocation-checks), so parsing is a separate step:
+    :meth:`manifest`.
     """
 
     room: int
@@ -409,22 +426,24 @@ class Preallocation:
     @property
     def is_dummy(self) -> bool:
         """An empty manifest frame: a rendezvous-only pre-allocation for a dummy
-        Prefill rank (§6.4)."""
+        Prefill rank (docs/protocol.md#proto-dummies)."""
         return not self.manifest_bytes
 
     def manifest(self) -> BlockManifest | None:
         """Parse the manifest frame: ``None`` for a dummy pre-allocation, else the
-        block manifest (1..2097152 bytes; :class:`ContractError` with the §5.5
-        messages). It is not validated against a contract here: that needs the
-        sender's registration (``tspd.core.manifest.validate_manifest``)."""
+        block manifest (1..2097152 bytes; :class:`ContractError` with the messages of
+        docs/protocol.md#proto-manifest-errors). It is not validated against a contract
+        here: that needs the sender's registration
+        (``tspd.core.manifest.validate_manifest``)."""
         if not self.manifest_bytes:
             return None
         return parse_manifest(self.manifest_bytes)
 
 
 def decode_preallocation(frames: list[bytes]) -> Preallocation:
-    """Decode a pre-allocation's frame count, room and session (§4.4); the manifest
-    frame is kept as bytes for :meth:`Preallocation.manifest`."""
+    """Decode a pre-allocation's frame count, room and session
+    (docs/protocol.md#proto-preallocation); the manifest frame is kept as bytes for
+    :meth:`Preallocation.manifest`."""
     if len(frames) != _PREALLOCATION_FRAMES:
         raise WireError(_MSG_PREALLOCATION_FRAMES)
     room_frame, session_frame, manifest_bytes = frames
@@ -460,7 +479,8 @@ def encode_preallocation(room: int, session_id: str, manifest: BlockManifest | N
 
 @dataclass(frozen=True, slots=True)
 class StatusMessage:
-    """A status message, Prefill → Decode (§4.5), with S3/R-pd's seven fields.
+    """A status message, Prefill → Decode (docs/protocol.md#proto-status), with
+    S3/R-pd's seven fields.
 
     ``bootstrap_token`` ``-1`` means none; ``bootstrap_logprob`` ``None`` means none.
     """
@@ -479,8 +499,9 @@ def _status_error(detail: str) -> WireError:
 
 
 def encode_status(message: StatusMessage) -> list[bytes]:
-    """The 7-frame form of ``message`` (§14.1): ASCII decimals, candidates as packed
-    little-endian int32, the logprob as little-endian float64 or an empty frame."""
+    """The 7-frame form of ``message`` (docs/protocol.md#proto-status): ASCII
+    decimals, candidates as packed little-endian int32, the logprob as little-endian
+    float64 or an empty frame."""
     m = message
     status = _POLL_FRAMES.get(m.status)
     if (
@@ -520,8 +541,9 @@ def encode_status(message: StatusMessage) -> list[bytes]:
 
 
 def failure_notice(room: int, prefill_rank: int, cached_tokens: int = 0) -> list[bytes]:
-    """The bare Failed status of ``room`` (§4.5, §4.6): no token, no candidates, no
-    logprob, and the room's recorded cached-token count."""
+    """The bare Failed status of ``room`` (docs/protocol.md#proto-status,
+    docs/protocol.md#proto-failure-notice): no token, no candidates, no logprob, and
+    the room's recorded cached-token count."""
     return encode_status(
         StatusMessage(room, TransferPoll.FAILED, prefill_rank, -1, (), cached_tokens)
     )
@@ -580,8 +602,9 @@ def _status_logprob(frame: bytes) -> float | None:
 
 
 def decode_status(frames: list[bytes]) -> StatusMessage:
-    """Decode a status message of 3..7 frames (§4.5); absent trailing frames read as
-    token ``-1``, no candidates, ``0`` cached tokens and no logprob.
+    """Decode a status message of 3..7 frames (docs/protocol.md#proto-status);
+    absent trailing frames read as token ``-1``, no candidates, ``0`` cached tokens
+    and no logprob.
 
     Integers must be exactly what ``str(int)`` writes (a ``-`` only on the token);
     at most :data:`MAX_SPEC_CANDIDATES` candidates, checked on the frame's length
@@ -610,7 +633,8 @@ def decode_status(frames: list[bytes]) -> StatusMessage:
 
 @dataclass(frozen=True, slots=True)
 class EmbeddingStatus:
-    """An EPD embedding status, Encode → Prefill (§4.7): ``[room, status, rank]``."""
+    """An EPD embedding status, Encode → Prefill (docs/protocol.md#proto-epd-status):
+    ``[room, status, rank]``."""
 
     room: int
     status: TransferPoll

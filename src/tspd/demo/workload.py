@@ -3,8 +3,9 @@
 A Prefill rank and a Decode rank of the demo run in separate processes (possibly
 of different implementations). They agree on the request stream by construction:
 the same ``--rooms`` range in the same order, and each room's prompt length drawn
-from ``(seed, room)``. The KV bytes and the bootstrap token follow the spec §15
-interop pattern, so the Decode side can check every byte it received.
+from ``(seed, room)``. The KV bytes and the bootstrap token follow the interop
+pattern (docs/protocol.md#proto-interop), so the Decode side can check every byte it
+received.
 
 Contracts: :func:`demo_contract` — per layer a K and a V field laid out
 head-major, ``(heads, page_tokens, head_dim)``, partitioned on the head axis — or
@@ -140,7 +141,7 @@ class Workload:
                 raise ContractError(f"--contract {self.contract_file}: {err}{cause}") from err
             return contract
         # More ranks than KV heads: each rank holds one head and ranks replicate
-        # heads (GQA), which gives the Prefill side dummy ranks (spec §6.4).
+        # heads (GQA), which gives the Prefill side dummy ranks (docs/protocol.md#proto-dummies).
         heads = kv_heads_per_rank(self.global_heads, tp_size)
         return demo_contract(
             layers=self.layers,

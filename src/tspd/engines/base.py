@@ -1,7 +1,8 @@
 """The transfer-engine protocol every data plane implements, and its errors.
 
 A transfer engine moves bytes from this rank's registered memory into a peer's
-registered memory (the push model of spec §8: only Prefill writes). Engines are
+registered memory (the push model of docs/protocol.md#proto-transfer-engine: only
+Prefill writes). Engines are
 **synchronous** and may block or busy-spin for as long as a transfer takes
 (Mooncake's sync calls spin until done or ``MC_TRANSFER_TIMEOUT``), so they are
 never called from the Trio thread: the shell offloads every call through
@@ -63,7 +64,7 @@ class EngineUnavailable(TspdError):
 
 @runtime_checkable
 class TransferEngine(Protocol):
-    """A synchronous transfer engine (spec §8).
+    """A synchronous transfer engine (docs/protocol.md#proto-transfer-engine).
 
     ``session_id`` is this engine's identity, ``"{host}:{rpc_port}"``, which peers
     use as the target of their writes. Every method may block; callers on a Trio

@@ -1,4 +1,6 @@
-"""The Mooncake transfer engine behind :class:`tspd.engines.base.TransferEngine` (spec §8).
+"""The Mooncake transfer engine behind :class:`tspd.engines.base.TransferEngine`.
+
+It makes the calls docs/protocol.md#proto-transfer-engine lists.
 
 Mooncake is imported only when a :class:`MooncakeEngine` is built, so the rest of
 tspd works on hosts without it; a missing package or system library becomes an
@@ -56,7 +58,7 @@ DEFAULT_MAX_DESCRIPTORS: Final = 1024
 """Descriptors per Mooncake call: half of TCP's 2,048 queued transfers per peer."""
 
 INIT_FAILED: Final = "Mooncake Transfer Engine initialization failed."
-"""The specification's message for a non-zero ``initialize`` (§8)."""
+"""The message for a non-zero ``initialize`` (docs/protocol.md#proto-transfer-engine)."""
 
 _BATCH_MISSING: Final = (
     "Mooncake's batch transfer requires mooncake-transfer-engine >= 0.3.4.post2. "

@@ -1,8 +1,8 @@
 """The trio-asyncio path, for asyncio hosts that can start under ``trio_asyncio``.
 
 An asyncio engine whose entry point may change by one line runs with Trio as the
-outer loop and its own asyncio code unchanged on trio-asyncio's loop
-(environment notes §6, pattern A)::
+outer loop and its own asyncio code unchanged on trio-asyncio's loop (the first of
+the two asyncio bridges of docs/architecture.md#threads)::
 
     # was: asyncio.run(engine_main())
     result = run_aio_host(engine_main)        # engine_main(bridge) is asyncio code

@@ -7,15 +7,15 @@ ticks are callbacks on the asyncio loop (its I/O wait runs in a helper thread),
 so Trio tasks and asyncio tasks run concurrently in the same thread. The
 resulting :class:`TrioGuest` is a :class:`~tspd.hosts.bridge.TrioBridge`.
 
-How a call crosses (environment notes §6, pattern B): the asyncio side posts
-"start this task" into Trio with ``TrioToken.run_sync_soon``; the task runs in
-the guest's nursery under a cancel scope of its own and settles an asyncio
-future with its result or error. Cancelling the asyncio awaitable posts a
-cancellation of that scope and waits until the task has unwound. When the guest
-stops -- closed by the host or because a service crashed -- every call still in
-flight fails with :class:`~tspd.hosts.bridge.BridgeClosed`, and leaving the
-``async with`` block re-raises the crash (unless the block itself is raising,
-which then wins and the crash is logged). Measured cost: about 143 µs per call.
+How a call crosses (the guest-mode bridge of docs/architecture.md#threads): the asyncio
+side posts "start this task" into Trio with ``TrioToken.run_sync_soon``; the task runs
+in the guest's nursery under a cancel scope of its own and settles an asyncio future
+with its result or error. Cancelling the asyncio awaitable posts a cancellation of that
+scope and waits until the task has unwound. When the guest stops -- closed by the host
+or because a service crashed -- every call still in flight fails with
+:class:`~tspd.hosts.bridge.BridgeClosed`, and leaving the ``async with`` block re-raises
+the crash (unless the block itself is raising, which then wins and the crash is logged).
+Measured cost: about 143 µs per call.
 
 This module is not sans-IO; it imports asyncio on purpose and nothing in
 ``tspd.core`` or ``tspd.shell`` depends on it.

@@ -4,7 +4,7 @@ An engine whose scheduler is a loop in an ordinary thread (no event loop at all)
 starts :func:`open_trio_thread`; the returned :class:`TrioThread` runs ``trio.run``
 in a daemon thread whose nursery holds the peers, the bootstrap server and the
 KV-event services. The scheduler then talks to them through thread-safe facades
-whose entry points never wait for a transfer (design §4):
+whose entry points never wait for a transfer (docs/architecture.md#threads):
 
 * :class:`ThreadedPrefill` -- ``register_request``, ``abort``, ``record_usage``,
   ``hand_over``, ``stage_remote_decode`` / ``hand_over_remote_decode`` and
@@ -397,8 +397,9 @@ class ThreadedPrefill:
         return self._host.submit(self.peer.poll)
 
     def poll(self, timeout: float = POLL_TIMEOUT) -> list[Event]:
-        """One poll round (spec §7.4): waits for the TP group's agreement, never for a
-        transfer. Raises ``TimeoutError`` after ``timeout`` seconds."""
+        """One poll round (docs/protocol.md#proto-prefill-poll): waits for the TP
+        group's agreement, never for a transfer. Raises ``TimeoutError`` after
+        ``timeout`` seconds."""
         return self._host.call(self.peer.poll, timeout=timeout)
 
     def statistics(self) -> dict[str, int]:
@@ -447,7 +448,7 @@ class ThreadedDecode:
         return self._host.submit(self.peer.poll)
 
     def poll(self, timeout: float = POLL_TIMEOUT) -> list[Event]:
-        """One poll round (spec §7.6); waits for the agreement only."""
+        """One poll round (docs/protocol.md#proto-decode-poll); waits for the agreement only."""
         return self._host.call(self.peer.poll, timeout=timeout)
 
     def statistics(self) -> dict[str, int]:

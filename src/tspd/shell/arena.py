@@ -2,22 +2,23 @@
 
 A :class:`HostArena` is one rank's whole KV cache arena in host memory: a single
 page-aligned anonymous mapping of ``contract.arena_bytes`` bytes, registered once
-with a transfer engine (spec §5.1, §8). The demo, the benchmarks and the
-end-to-end tests use it where a real engine would use GPU memory.
+with a transfer engine (docs/protocol.md#proto-contract-derived,
+docs/protocol.md#proto-transfer-engine). The demo, the benchmarks and the end-to-end
+tests use it where a real engine would use GPU memory.
 
-:func:`fill_room` writes the spec §15 interop pattern into the blocks a Prefill
-rank sends for a room, and :func:`verify_room` checks, on a Decode rank, that the
-blocks of its manifest hold exactly those bytes — so either side can face a peer
-of another implementation and check it byte for byte.
+:func:`fill_room` writes the interop pattern (docs/protocol.md#proto-interop) into the
+blocks a Prefill rank sends for a room, and :func:`verify_room` checks, on a Decode
+rank, that the blocks of its manifest hold exactly those bytes — so either side can face
+a peer of another implementation and check it byte for byte.
 
-Tensor parallelism: §15 defines a field's bytes for one block as
-``SHAKE-256(M)`` truncated to the field's payload. Here that payload is the
-field's *global* tensor (the local shape with the partition axis widened to its
-global extent, spec §5.3); a rank holds its shard of it, sliced along the
-partition axis exactly as the planner maps shards (spec §6.3). For a replicated
-field, or any field on TP 1, the local payload is the global one and this is §15
-word for word; for a head-partitioned field it is what makes the bytes of a
-Prefill of one TP size checkable on a Decode of another.
+Tensor parallelism: the pattern defines a field's bytes for one block as
+``SHAKE-256(M)`` truncated to the field's payload. Here that payload is the field's
+*global* tensor (the local shape with the partition axis widened to its global extent,
+docs/protocol.md#proto-peer-compat); a rank holds its shard of it, sliced along the
+partition axis exactly as the planner maps shards (docs/protocol.md#proto-fragments).
+For a replicated field, or any field on TP 1, the local payload is the global one and
+this is the pattern word for word; for a head-partitioned field it is what makes the
+bytes of a Prefill of one TP size checkable on a Decode of another.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ class HostArena:
     """A page-aligned host buffer of ``size`` bytes with a stable base address.
 
     The mapping stays at the same address for the arena's whole life, so a
-    release/restore of its transfer-engine registration (sleep/wake, spec §7.11)
-    never invalidates the address a peer cached from a registration.
+    release/restore of its transfer-engine registration (sleep/wake,
+    docs/protocol.md#proto-sleep-wake) never invalidates the address a peer cached from
+    a registration.
     """
 
     def __init__(self, size: int) -> None:
@@ -128,8 +130,8 @@ def field_shard(
 
     ``global_bytes`` is the whole (un-partitioned) tensor, C order. A replicated
     field is returned whole; a partitioned one is sliced along its axis, part by
-    part, at this rank's shard (spec §6.3: ``N = G / L`` shards, replica groups of
-    ``R = T / N`` ranks, shard ``rank // R``).
+    part, at this rank's shard (docs/protocol.md#proto-fragments: ``N = G / L``
+    shards, replica groups of ``R = T / N`` ranks, shard ``rank // R``).
     """
     partition = contract.partition_of(field.field_id)
     if partition is None:
@@ -172,7 +174,7 @@ def iter_room_blocks(
 
     ``block_ids`` carries the window (``prefix_len``, ``prompt_len``) and, per
     group in contract order, the block ids of the request's logical slots
-    (spec §5.4); the i-th id holds slot ``first_slot + i``.
+    (docs/protocol.md#proto-logical-slots); the i-th id holds slot ``first_slot + i``.
     """
     for group in block_ids.groups:
         spec = contract.group(group.group_id)

@@ -1,10 +1,10 @@
-"""Exception-group manners for the nurseries tspd owns (style anchors §4.3).
+"""Exception-group manners for the nurseries tspd owns.
 
 A peer's ``open_*`` context manager runs its tasks in a nursery of its own. When
 one internal task fails, Trio wraps the error in an exception group; callers
 should see the one error that happened, not the library's task structure. These
 helpers unwrap a group of exactly one exception (recursively) and leave real
-multi-error groups alone.
+multi-error groups alone (docs/architecture.md#cancellation-policy).
 """
 
 from __future__ import annotations

@@ -34,12 +34,12 @@ caller's next checkpoint. A cancel that arrives while waiting for the limiter
 cancels the write before it starts.
 
 :func:`wait_step` waits until a producer step counter has passed a target step
-(spec §5.7). The default polls the counter on the Trio thread: a read is one
-aligned 8-byte load, far cheaper than a thread hop, so the loop stays responsive
-and the wait is cancellable at once. ``in_thread=True`` instead blocks a worker
-thread with the same polling (for counters whose read may block); that thread is
-abandoned on cancel, and a stop flag makes it exit within one poll interval so it
-never outlives the wait by more than that.
+(docs/protocol.md#proto-step-counter). The default polls the counter on the Trio thread:
+a read is one aligned 8-byte load, far cheaper than a thread hop, so the loop stays
+responsive and the wait is cancellable at once. ``in_thread=True`` instead blocks a
+worker thread with the same polling (for counters whose read may block); that thread is
+abandoned on cancel, and a stop flag makes it exit within one poll interval so it never
+outlives the wait by more than that.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Some endpoints have to be chosen before the socket that uses them exists (the
 replica-agreement ranks' PULL addresses, handed to every rank up front). Like
-TokenSpeed (spec §3) this binds an ephemeral port, reads it and closes it: racy
+TokenSpeed (docs/protocol.md#proto-zmq) this binds an ephemeral port, reads it and closes it: racy
 in principle, so callers bind soon after.
 """
 

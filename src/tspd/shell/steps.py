@@ -1,4 +1,6 @@
-"""The producer step counter: the host word layerwise transfers wait on (spec §5.7).
+"""The producer step counter: the host word layerwise transfers wait on.
+
+The counter's rules are those of docs/protocol.md#proto-step-counter.
 
 On a GPU host the device bumps a pinned host ``int64`` after each producer
 step's KV write and transfer workers read it with a plain aligned load. Here

@@ -2,7 +2,7 @@
 
 An inference engine's forward thread hands work to a peer (stage and hand over a
 remote decode, arm layerwise chunks) and must never wait for a transfer
-(design §4). :class:`LoopPortal` posts a synchronous callable into the Trio loop
+(docs/architecture.md#threads). :class:`LoopPortal` posts a synchronous callable into the Trio loop
 with ``TrioToken.run_sync_soon`` and returns a ``concurrent.futures.Future`` at
 once: the caller may ignore it, poll it, or block on ``result()`` when it wants
 the error the call raised. Calls run in the order they were posted.

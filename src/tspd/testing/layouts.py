@@ -6,12 +6,13 @@ re-exported here. The builders below are test fixtures with test-only knobs (any
 local/global head pairing, a toy state group); they return validated
 :class:`~tspd.core.contract.CacheContract` objects with small but realistic arenas:
 
-* :func:`simple_contract`: one full-history group, one plane, one field — the
-  smallest thing a transfer can move (and the geometry of the §15 interop vectors).
+* :func:`simple_contract`: one full-history group, one plane, one field — the smallest
+  thing a transfer can move (and the geometry of the interop vectors of
+  docs/protocol.md#proto-interop).
 * :func:`multi_layer_contract`: a model's per-layer K and V caches, each in its own
-  plane, partitioned on the head axis so Prefill and Decode contracts of different
-  TP sizes pair up (spec §6.3); optionally a sliding window and a state group with
-  the ``latest_snapshot`` policy.
+  plane, partitioned on the head axis so Prefill and Decode contracts of different TP
+  sizes pair up (docs/protocol.md#proto-fragments); optionally a sliding window and a
+  state group with the ``latest_snapshot`` policy.
 
 :func:`allocate_tables` and :func:`room_manifest` stand in for an engine's block
 manager: they hand one request a block id for every logical slot of its window,
