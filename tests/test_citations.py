@@ -9,12 +9,10 @@ stated in the page's "How code cites this reference" section):
   ``{ref}`text <proto-<name>>```).
 
 Every cited label must exist, so renaming a section cannot leave a stale citation
-behind. Older comments still point into documents kept outside the repository;
-``test_references_outside_the_repository_only_go_down`` counts them and fails when
-the count grows past :data:`OUT_OF_REPO_LIMIT`. Lower the limit whenever a
-migration pass removes some; ``docs/spec-sections.json`` maps the old section
-numbers to the labels that replace them. No test here builds the docs, so the
-module runs in well under a second.
+behind, and ``test_no_reference_leaves_the_repository`` fails on any reference to a
+document kept outside the repository (``docs/spec-sections.json`` maps the old
+section numbers to the labels that replaced them). No test here builds the docs,
+so the module runs in well under a second.
 """
 
 from __future__ import annotations
@@ -43,9 +41,6 @@ SCANNED_SUFFIXES = frozenset(
 SKIPPED_PARTS = frozenset({"_build", "__pycache__", ".hypothesis", ".pytest_cache"})
 SKIPPED_FILES = frozenset({THIS_FILE, SECTION_MAP.resolve()})
 
-#: References to documents outside the repository counted on the day this test was
-#: written. The count may only go down: lower this constant when it does.
-OUT_OF_REPO_LIMIT = 62
 
 LABEL = r"proto-[a-z0-9]+(?:-[a-z0-9]+)*"
 _LABEL = re.compile(LABEL)
@@ -264,7 +259,7 @@ def test_the_protocol_reference_cites_nothing_outside_the_repository() -> None:
     assert hits == [], "\n".join(map(str, hits))
 
 
-def test_references_outside_the_repository_only_go_down(
+def test_no_reference_leaves_the_repository(
     record_property: Callable[[str, object], None],
 ) -> None:
     hits = out_of_repo_references()
@@ -273,8 +268,8 @@ def test_references_outside_the_repository_only_go_down(
     by_file = Counter(h.path for h in hits)
     summary = ", ".join(f"{path} {n}" for path, n in by_file.most_common(8))
     print(f"\n{count} references to documents outside the repository remain: {summary}")
-    assert count <= OUT_OF_REPO_LIMIT, (
-        f"{count} references to documents outside the repository, more than the "
-        f"{OUT_OF_REPO_LIMIT} allowed: cite docs/protocol.md#proto-<label> instead "
+    assert count == 0, (
+        f"{count} references to documents outside the repository: cite "
+        "docs/protocol.md#proto-<label> instead "
         f"(docs/spec-sections.json maps section numbers to labels). Most in: {summary}"
     )

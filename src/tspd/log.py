@@ -232,7 +232,18 @@ def log_command(
         return True
     if isinstance(command, Log):
         level = LEVELS[command.level]
-        if logger.isEnabledFor(level):
+        if limits is not None and command.limit_key is not None:
+            limits.rejections.log(
+                level,
+                RateLimitedLog.OTHER_PEERS,
+                command.limit_key,
+                "%s",
+                command.message,
+                exc_info=False,
+                room=command.room,
+                **context,
+            )
+        elif logger.isEnabledFor(level):
             logger.log(level, "%s", command.message, extra=fields(room=command.room, **context))
         return True
     return False
@@ -251,7 +262,7 @@ class LogLimits:
         logger: logging.Logger,
         *,
         interval: float = 10.0,
-        failure_burst: int = 100,
+        failure_burst: int = 20,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rejections = RateLimitedLog(logger, interval=interval, burst=5, clock=clock)

@@ -3,6 +3,7 @@ server returns can crash its clients (all traffic on 127.0.0.1, bounded)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -137,6 +138,50 @@ async def test_a_declared_oversized_body_is_refused_before_it_is_read(
             head = await stream.receive_some(4096)
     assert head.startswith(b"HTTP/1.1 413")
     assert server.statistics() == {"body_too_large": 1}
+
+
+async def test_a_request_head_larger_than_the_bound_is_431_even_in_one_read(
+    server: BootstrapServer,
+) -> None:
+    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+    async with stream:
+        padding = b"x" * (HttpLimits().max_header_bytes + 1024)
+        await stream.send_all(b"GET /health HTTP/1.1\r\nHost: t\r\nX-Pad: " + padding + b"\r\n\r\n")
+        with trio.fail_after(10):
+            head = await stream.receive_some(4096)
+    assert head.startswith(b"HTTP/1.1 431")
+
+
+async def test_full_oversized_bodies_never_break_the_server(
+    server: BootstrapServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 2 MiB PUT sent whole, many times: each is refused 413 and no send races
+    another (a trio stream refuses two senders at once)."""
+    body = b"{" + b" " * (2 * 1024 * 1024 - 1)
+    caplog.set_level(logging.ERROR)
+
+    async def one() -> bytes:
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            head = b"PUT /route HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(body)
+            # The server may answer and close before reading it all.
+            with trio.move_on_after(10), contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(head + body)
+            with trio.fail_after(10):
+                return bytes(await stream.receive_some(4096))
+
+    replies: list[bytes] = []
+
+    async def run() -> None:
+        replies.append(await one())
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(20):
+            nursery.start_soon(run)
+    assert all(r.startswith(b"HTTP/1.1 413") or r == b"" for r in replies)
+    assert not [r for r in caplog.records if "BusyResourceError" in (r.exc_text or "")]
+    async with httpx.AsyncClient() as client:
+        assert (await client.get(f"http://127.0.0.1:{server.port}/health")).status_code == 200
 
 
 class Exploding(BootstrapState):

@@ -7,7 +7,8 @@ receives that room's status, and goes away. This process plays each one with raw
 ZMQ sockets and :mod:`tspd.core.wire`'s encoders: a new PULL bound on a new port, a
 new PUSH to the Prefill's control socket, the 8-frame registration, one
 pre-allocation, the status awaited (10 s at most), both sockets closed. The Prefill
-side's scheduler claims the room, writes the §15 pattern and hands it over, as an
+side's scheduler claims the room, writes the interop pattern (docs/protocol.md#proto-interop) and
+hands it over, as an
 engine would.
 
 The data plane is tspd's :class:`~tspd.testing.fake_engine.FakeEngine`, inside the

@@ -6,7 +6,8 @@ A *victim* is one real component, on 127.0.0.1, driven the way an engine drives 
 * ``bootstrap`` — the bootstrap HTTP server (:func:`~tspd.shell.bootstrap.open_bootstrap_server`);
 * ``prefill`` — one Prefill rank (TP 1) on the real Mooncake engine, registered with
   the bootstrap server, with a small scheduler that serves the rooms it is told to
-  (:class:`PrefillRooms`: on ``Bootstrapped`` it writes the §15 interop pattern into
+  (:class:`PrefillRooms`: on ``Bootstrapped`` it writes the interop pattern
+  (docs/protocol.md#proto-interop) into
   the room's pages and hands the remote decode over);
 * ``decode`` — one Decode rank (TP 1) on Mooncake, whose scheduler registers rooms
   with the bootstrap server, pre-allocates them and checks every byte and the

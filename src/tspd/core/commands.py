@@ -184,6 +184,10 @@ class Log:
     level: LogLevel
     message: str
     room: int | None = None
+    #: Set on lines peers can cause at will (a registration, a sweep of rooms
+    #: nobody claimed): the shell writes at most a few per key every few seconds,
+    #: with the count of the others.
+    limit_key: str | None = None
 
 
 class RejectReason(enum.StrEnum):

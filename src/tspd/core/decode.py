@@ -1,4 +1,6 @@
-"""``DecodeCore``: one Decode rank's protocol state, sans-IO (spec §7.5-7.6, §7.9.3).
+"""``DecodeCore``: one Decode rank's protocol state, sans-IO
+(docs/protocol.md#proto-decode-room-table, docs/protocol.md#proto-decode-poll,
+docs/protocol.md#proto-failure-prefill-death).
 
 A Decode rank plans the route to the Prefill TP ranks of each request's bootstrap
 address, registers with them, pre-allocates, counts completions and heartbeats the
@@ -24,7 +26,7 @@ How the shell drives it (one Trio task owns the core; nothing here is thread-saf
 * After **every** call, execute :meth:`~DecodeCore.drain_commands` in order.
 
 Nothing a peer sends, and no planning error, raises into the engine: the room fails
-with the spec's reason (§7.5) instead. Only caller errors raise
+with the spec's reason (docs/protocol.md#proto-decode-room-table) instead. Only caller errors raise
 (:class:`~tspd.core.errors.ProtocolError`).
 """
 
@@ -448,7 +450,7 @@ class DecodeCore:
 
     def parallel_info(self, bootstrap_addr: str, info: ParallelInfo | str, now: float) -> None:
         """The answer to :class:`FetchParallelInfo`: the parsed info, or an error text.
-        An error fails every room waiting for it (spec §7.5)."""
+        An error fails every room waiting for it (docs/protocol.md#proto-decode-room-table)."""
         waiting = self._awaiting_info.pop(bootstrap_addr, [])
         if isinstance(info, str):
             self._log(
@@ -519,7 +521,8 @@ class DecodeCore:
         self, bootstrap_addr: str, dp_group: int, engine_rank: int, info: RankInfo | str, now: float
     ) -> None:
         """The answer to :class:`FetchRankInfo`: the rank's control endpoint, or an
-        error text. An error fails every room waiting for it (spec §7.5)."""
+        error text. An error fails every room waiting for it
+        (docs/protocol.md#proto-decode-room-table)."""
         key = (bootstrap_addr, dp_group, engine_rank)
         if key in self._refreshing:
             self._refreshed(key, info, now)
@@ -611,7 +614,8 @@ class DecodeCore:
         prefix_len: int = 0,
         prompt_len: int | None = None,
     ) -> None:
-        """Pre-allocate ``room`` with every target Prefill rank (spec §1.5 step 5).
+        """Pre-allocate ``room`` with every target Prefill rank (docs/protocol.md#proto-journey
+        step 5).
 
         ``manifest`` is the request's manifest, or its block-table row per group (then
         ``prefix_len``/``prompt_len`` give the window). It is validated against this
@@ -726,7 +730,8 @@ class DecodeCore:
 
     def _progress_from(self, room: int, message: wire.StatusMessage, now: float) -> None:
         """A status before ``Success`` (``Bootstrapping`` … ``Transferring``): the room's
-        status takes ``max(current, reported)`` (spec §7.5, §7.2), ``Failed`` staying
+        status takes ``max(current, reported)`` (docs/protocol.md#proto-decode-room-table,
+        docs/protocol.md#proto-room-table), ``Failed`` staying
         sticky. Only an expected rank moves it, and never past this rank's own steps
         (route, pre-allocation): so only ``Transferring`` after the pre-allocation
         changes anything. It never completes the room; every expected rank's
@@ -801,7 +806,8 @@ class DecodeCore:
     # ------------------------------------------------------------------ heartbeat
 
     def heartbeat(self, bootstrap_addr: str, ok: bool, now: float) -> None:
-        """One heartbeat outcome for ``bootstrap_addr`` (spec §7.9.3). ``ok`` resets the
+        """One heartbeat outcome for ``bootstrap_addr``
+        (docs/protocol.md#proto-failure-prefill-death). ``ok`` resets the
         failure count and prunes the address's room tracker; the
         ``heartbeat_max_failures``-th consecutive failure declares the address dead:
         its cached info and registrations are dropped and every tracked room not yet
@@ -906,7 +912,8 @@ class DecodeCore:
 
     def poll_values(self, now: float) -> list[int]:
         """This rank's value per tracked request, in registration order, for the MIN
-        all-reduce (spec §7.6). A request waiting for input past the waiting timeout
+        all-reduce (docs/protocol.md#proto-decode-poll). A request waiting for input past the
+        waiting timeout
         concludes ``Failed`` with its reason."""
         self._check_expired_waits(now)
         values: list[int] = []

@@ -1,4 +1,6 @@
-"""``PrefillCore``: one Prefill rank's protocol state, sans-IO (spec §7.3-7.4, §7.9-7.11).
+"""``PrefillCore``: one Prefill rank's protocol state, sans-IO
+(docs/protocol.md#proto-prefill-room-table, docs/protocol.md#proto-prefill-poll,
+docs/protocol.md#proto-failures, docs/protocol.md#proto-sleep-wake).
 
 Decode ranks register with this rank and pre-allocate each request's pages; when the
 prompt's KV is written, the shell's transfer workers push it to every destination
@@ -29,7 +31,8 @@ How the shell drives it (one Trio task owns the core; nothing here is thread-saf
   :meth:`~PrefillCore.handle_timeout`.
 * After **every** call, execute :meth:`~PrefillCore.drain_commands` in order.
 
-Behaviour kept from R-pd (spec §12): unclaimed-room TTL, first failure wins, notify
+Behaviour kept from R-pd (docs/protocol.md#proto-compat-rust): unclaimed-room TTL, first failure
+wins, notify
 then mark ``Success``, every copy planned before the first write, absent rooms poll
 as ``Failed``, pre-allocation check order 1, 3, 5, 2, 4, 6, 7, 8. One addition: when
 the agreed value fails a request whose room this rank has not failed itself (a peer
@@ -149,7 +152,7 @@ _TIMEOUT_WARNING = (
 
 def epd_abort_reason(rid: str) -> str:
     """The reason an EPD Prefill gives when it drops a request whose embeddings never
-    arrived (spec §7.9.1); pass it to :meth:`PrefillCore.abort`."""
+    arrived (docs/protocol.md#proto-failure-epd-abort); pass it to :meth:`PrefillCore.abort`."""
     return f"EPD: prefill aborted request {rid} (embedding receive timed out)"
 
 
@@ -158,7 +161,8 @@ class PrefillConfig:
     """Everything a Prefill rank's core needs, fixed at start.
 
     ``tp_size``/``tp_rank``: this rank's attention-TP size (per DP group) and rank.
-    ``status_rank``: this rank in Decode's completion-tracking rank space (spec §4.5;
+    ``status_rank``: this rank in Decode's completion-tracking rank space
+    (docs/protocol.md#proto-status;
     ``tp_rank`` without pipeline parallelism). ``contract``: this rank's own cache
     contract, which :func:`~tspd.core.contract.check_local_contract` must accept
     (a :class:`~tspd.core.errors.ContractError` otherwise).
@@ -379,8 +383,14 @@ class PrefillCore:
         (:attr:`PrefillConfig.trace`)."""
         return self._trace.drain_finished()
 
-    def _log(self, level: LogLevel, message: str, room: int | None = None) -> None:
-        self._commands.append(Log(level, message, room))
+    def _log(
+        self,
+        level: LogLevel,
+        message: str,
+        room: int | None = None,
+        limit_key: str | None = None,
+    ) -> None:
+        self._commands.append(Log(level, message, room, limit_key))
 
     def _reject(
         self, reason: RejectReason, peer: str, message: str, room: int | None = None
@@ -427,7 +437,8 @@ class PrefillCore:
 
     def check_release(self) -> None:
         """Refuse a sleep's release of the registered cache while a tracked request's
-        KV may still go out (spec §7.11); unclaimed rooms send nothing and do not
+        KV may still go out (docs/protocol.md#proto-sleep-wake); unclaimed rooms send nothing and
+        do not
         block it. Raises :class:`ProtocolError` listing the rooms."""
         rooms = self.tracked_rooms()
         if rooms:
@@ -580,7 +591,8 @@ class PrefillCore:
 
     def session_alive(self, session_id: str, now: float) -> bool:
         """Whether transfers to ``session_id`` may go ahead: ``False`` within the
-        failed-session TTL after a write to it failed (spec §7.9.2)."""
+        failed-session TTL after a write to it failed
+        (docs/protocol.md#proto-failure-decode-death)."""
         ttl = self.config.failed_session_ttl
         failed_at = self._failed_sessions.get(session_id)
         if ttl <= 0 or failed_at is None:
@@ -705,6 +717,7 @@ class PrefillCore:
                 f"Decode session {session_id} (TP rank {registration.decode_tp_rank}/"
                 f"{registration.decode_tp_size}) registered"
                 + (" as a rendezvous-only destination" if planned.is_dummy else ""),
+                limit_key="registered",
             )
 
     def _reject_registration(self, frames: list[bytes], reason: str, now: float) -> None:
@@ -866,7 +879,8 @@ class PrefillCore:
     # ------------------------------------------------------------------ scheduler
 
     def register_request(self, rid: str, room: int, now: float) -> None:
-        """Track request ``rid`` for ``room`` on this rank (spec §7.3 row 1): the room
+        """Track request ``rid`` for ``room`` on this rank
+        (docs/protocol.md#proto-prefill-room-table row 1): the room
         becomes ``Bootstrapping`` (or keeps later progress) and leaves the unclaimed
         set. Every rank of the TP group registers the same requests in the same order.
         """
@@ -884,7 +898,8 @@ class PrefillCore:
 
     def poll_values(self, now: float) -> list[int]:
         """This rank's value per tracked request, in registration order, for the MIN
-        all-reduce (spec §7.4 step 1). A request bootstrapping past the bootstrap
+        all-reduce (docs/protocol.md#proto-prefill-poll step 1). A request bootstrapping past the
+        bootstrap
         timeout concludes ``Failed`` here, with its reason."""
         values: list[int] = []
         append = values.append
@@ -928,7 +943,8 @@ class PrefillCore:
         sender.concluded = _FAILED
 
     def conclude(self, agreed: Sequence[int], now: float) -> list[Event]:
-        """Apply the group's agreed values (spec §7.4 steps 3-4) and return the
+        """Apply the group's agreed values (docs/protocol.md#proto-prefill-poll steps 3-4) and
+        return the
         scheduler's events; requests that ended are forgotten with their rooms."""
         senders = list(self._senders.values())
         if len(agreed) != len(senders):
@@ -1003,7 +1019,8 @@ class PrefillCore:
         )
 
     def abort(self, room: int, reason: str, now: float) -> None:
-        """Fail ``room`` with ``reason`` and notify its destinations (spec §7.9.1;
+        """Fail ``room`` with ``reason`` and notify its destinations
+        (docs/protocol.md#proto-failure-epd-abort;
         ``epd_abort_reason(rid)`` for an EPD give-up). A later pre-allocation is
         answered ``Failed``; an untracked room is dropped after the unclaimed TTL."""
         self._abort_room(room, reason, now, reason_class=ReasonClass.ABORTED)
@@ -1030,7 +1047,8 @@ class PrefillCore:
         spec_candidate_ids: Sequence[int],
         now: float,
     ) -> None:
-        """The prompt's KV is written: send it (spec §7.4 "remote decode hand-over").
+        """The prompt's KV is written: send it (docs/protocol.md#proto-prefill-poll "remote decode
+        hand-over").
 
         ``source_tables`` is the request's block-table row per group on this rank.
         Full mode: builds the source manifest over Decode's prompt window, plans
@@ -1056,7 +1074,8 @@ class PrefillCore:
             )
         metadata = _Metadata(bootstrap_token, candidates)
         if self._rooms.ended(room):
-            # Layerwise: the token is published to the room (spec §7.9.7); a full
+            # Layerwise: the token is published to the room (docs/protocol.md#proto-late-metadata);
+            # a full
             # transfer of a room that already failed or ended simply has no work.
             level = LogLevel.WARNING if self.config.layerwise is not None else LogLevel.DEBUG
             self._log(
@@ -1171,7 +1190,8 @@ class PrefillCore:
 
     def arm_layerwise(self, rows: Sequence[ExtendRow], now: float) -> int | None:
         """Layerwise: arm one chunk per extend row of the coming forward whose request
-        has non-dummy destinations (spec §7.4 "arm layerwise", §12 item 13).
+        has non-dummy destinations (docs/protocol.md#proto-prefill-poll "arm layerwise",
+        docs/protocol.md#proto-prefill-forward).
 
         Every row's selection is built first; any error refuses the whole forward
         (raised, nothing armed, no step reserved). Then the forward's producer steps
@@ -1247,7 +1267,8 @@ class PrefillCore:
     def transfer_succeeded(self, room: int, now: float) -> None:
         """A final chunk's writes all succeeded. Sends ``Success`` to every non-dummy
         destination first, then marks the room ``Success`` and drops its destinations
-        (spec §12 item 9). A layerwise room whose token has not arrived yet reports
+        (docs/protocol.md#proto-prefill-room-table). A layerwise room whose token has not arrived
+        yet reports
         when :meth:`hand_over` brings it. Ignored for a room that already ended."""
         self._per_room.in_flight.discard(room)
         if self._rooms.ended(room):
@@ -1303,7 +1324,7 @@ class PrefillCore:
         marked failed for the TTL and the reason names its route); ``None``: any
         other worker error (``error`` is then the whole detail). The room is aborted
         with ``"CachePD transfer failed: …"`` unless it already ended, in which case
-        the first failure's reason stands (spec §12 item 11)."""
+        the first failure's reason stands (docs/protocol.md#proto-failure-worker)."""
         self._per_room.in_flight.discard(room)
         close: tuple[str, int] | None = None
         if session_id is not None:
@@ -1390,7 +1411,8 @@ class PrefillCore:
     def handle_timeout(self, now: float) -> None:
         """Drop rooms no request claimed within the TTL (= bootstrap timeout), in
         ascending room order, telling each non-dummy destination of a room that had
-        not failed (spec §7.10); expire failed-session marks past their TTL."""
+        not failed (docs/protocol.md#proto-unclaimed-rooms); expire failed-session marks past their
+        TTL."""
         ttl = self.config.bootstrap_timeout
         self._expire_failed_rooms(now)
         expired = sorted(self._per_room.unclaimed.pop_expired(now, ttl))
@@ -1398,6 +1420,7 @@ class PrefillCore:
             self._log(
                 LogLevel.WARNING,
                 f"dropping rooms no request on this rank claimed within {ttl:g}s: {expired}",
+                limit_key="unclaimed-dropped",
             )
         for room in expired:
             self._drop_unclaimed(room, now)

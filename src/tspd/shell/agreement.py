@@ -1,4 +1,5 @@
-"""Replica agreement: the element-wise MIN of poll values over one TP group (spec §7.7).
+"""Replica agreement: the element-wise MIN of poll values over one TP group
+(docs/protocol.md#proto-replica-agreement).
 
 Every rank of a Prefill (or Decode) attention-TP group registers the same
 requests in the same order and polls once per scheduler iteration; the poll's

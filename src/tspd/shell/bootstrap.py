@@ -1,4 +1,4 @@
-"""The bootstrap HTTP server and client on Trio (spec §2).
+"""The bootstrap HTTP server and client on Trio (docs/protocol.md#proto-bootstrap).
 
 Server: hypercorn (under :func:`tspd.shell.http.serve_asgi`) serving a Starlette app
 whose only job is to hand each request to :class:`tspd.core.bootstrap.BootstrapState`
@@ -7,7 +7,7 @@ and write its :class:`~tspd.core.bootstrap.HttpReply` back. Use :func:`open_boot
 address) or :func:`serve_bootstrap` under a caller's nursery (``task_status``
 reports the same handle). Leaving the block cancels the server: open keep-alive
 connections are closed and the listening port is released at once, so a new
-server can bind it immediately (§2.4).
+server can bind it immediately (docs/protocol.md#proto-bootstrap-lifecycle).
 
 Unlike TokenSpeed's server (all interfaces), the host is explicit and defaults to
 ``127.0.0.1``; pass ``"0.0.0.0"`` to serve other machines.
@@ -24,7 +24,8 @@ counted by reason (:meth:`BootstrapServer.statistics`, exported as
 10 s, the next one saying how many were held back.
 
 Client: :class:`BootstrapClient` over ``httpx.AsyncClient`` (which runs on Trio),
-one keep-alive client per bootstrap address, with the timeouts of §2.5. Every call
+one keep-alive client per bootstrap address, with the timeouts of
+docs/protocol.md#proto-bootstrap-clients. Every call
 is bounded (the parallel-info fetch, unbounded in S1, uses 5 s too), reads at most
 :data:`MAX_REPLY_BYTES` of a reply, and fails only with
 :class:`BootstrapUnavailable` or :class:`~tspd.core.errors.WireError` — whatever the
@@ -126,7 +127,8 @@ _BY_STATUS: Final = {
 
 
 class BootstrapServerError(TspdError, RuntimeError):
-    """The bootstrap server could not start (spec §2.4 messages)."""
+    """The bootstrap server could not start (docs/protocol.md#proto-bootstrap-lifecycle
+    messages)."""
 
 
 class BootstrapUnavailable(TspdError):

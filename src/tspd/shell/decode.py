@@ -10,14 +10,15 @@ nursery owns:
   registration; frames and frame counts bounded by the largest status message); it
   drains status messages in batches into ``core.receive_status``;
 * the **push pool** — a bounded pool of PUSH sockets, one per Prefill rank, for
-  registrations and pre-allocations (spec §3);
+  registrations and pre-allocations (docs/protocol.md#proto-zmq);
 * **bootstrap lookups** — one short task per ``FetchParallelInfo`` /
   ``FetchRankInfo`` command over HTTP (:class:`~tspd.shell.bootstrap.BootstrapClient`),
   answered with ``core.parallel_info`` / ``core.rank_info`` (an error becomes the
-  error text: the waiting rooms fail with the spec's reason, spec §7.5);
+  error text: the waiting rooms fail with the spec's reason,
+  docs/protocol.md#proto-decode-room-table);
 * the **heartbeat task** — every interval, ``GET /health`` on each Prefill
   bootstrap address the core names, concurrently, reported to ``core.heartbeat``
-  (spec §7.9.3);
+  (docs/protocol.md#proto-failure-prefill-death);
 * the **timer task** — the waiting timeout.
 
 In secure mode (``DecodeSettings.security`` with CURVE keys, docs/security.md) the
@@ -37,6 +38,7 @@ arena is registered with the engine so Prefill ranks can write into it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -166,6 +168,19 @@ class DecodePeer:
 
     # -- command execution -------------------------------------------------------
 
+    def _internal_error(self, what: str) -> None:
+        """A fault of tspd's own while handling ``what`` from a peer: logged with its
+        traceback, rate-limited (the peer may repeat the message); the loop goes on."""
+        self.observer.log_limits.rejections.log(
+            logging.ERROR,
+            "*",
+            "internal-error",
+            "tspd failed handling %s, which was dropped: a bug, please report it with "
+            "this traceback",
+            what,
+            exc_info=True,
+        )
+
     def _pump(self, *, activity: bool = False) -> None:
         if activity:
             self._activity.set()
@@ -279,7 +294,8 @@ class DecodePeer:
             self._pump()
 
     async def poll(self) -> list[Event]:
-        """One poll (spec §7.6): local values, the replica agreement's MIN, then the
+        """One poll (docs/protocol.md#proto-decode-poll): local values, the replica agreement's
+        MIN, then the
         events in registration order — ``Bootstrapped``,
         :class:`~tspd.core.commands.RemotePrefillDone` or ``Failed``."""
         values = self.core.poll_values(trio.current_time())
@@ -341,7 +357,7 @@ class DecodePeer:
                 try:
                     self.core.receive_status(frames, now)
                 except Exception:  # the status loop never dies
-                    log.exception("Unexpected failure handling a Prefill status message")
+                    self._internal_error("a Prefill status message")
             self._pump(activity=True)
 
     async def _status_secure(self, sock: TrioSocket, batch: int) -> None:
@@ -353,7 +369,7 @@ class DecodePeer:
                 try:
                     self.core.receive_status(frames, now, sender)
                 except Exception:  # the status loop never dies
-                    log.exception("Unexpected failure handling a Prefill status message")
+                    self._internal_error("a Prefill status message")
             self._pump(activity=True)
 
     async def _heartbeat(

@@ -139,6 +139,10 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         # The cancel scope of a receive under way: an answer sent meanwhile lifts its
         # deadline (TLS reads records while a response goes out).
         self._receiving: trio.CancelScope | None = None
+        # One sender at a time: hypercorn may answer (say, 413 from the headers) or
+        # close while another of its tasks still sends, and a trio stream raises
+        # BusyResourceError for two concurrent senders.
+        self._send_lock = trio.Lock()
         self.peer_gone = trio.Event()
 
     async def peek(self) -> bytes:
@@ -175,16 +179,48 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         self._deadline = math.inf
         if self._receiving is not None:
             self._receiving.deadline = math.inf
-        await self._stream.send_all(data)
+        async with self._send_lock:
+            await self._stream.send_all(data)
 
     async def wait_send_all_might_not_block(self) -> None:
-        await self._stream.wait_send_all_might_not_block()
+        async with self._send_lock:
+            await self._stream.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
-        await self._stream.send_eof()
+        async with self._send_lock:
+            await self._stream.send_eof()
 
     async def aclose(self) -> None:
         await self._stream.aclose()
+
+
+def _header_guard(app: Any, limit: int) -> Any:
+    """``app`` behind a check of the request's size: h11 bounds only a request head
+    that arrives in pieces, so one that arrives whole, however large, reaches the
+    app; this answers it 431 instead."""
+
+    async def guarded(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope.get("type") == "http":
+            size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+            size += sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+            if size > limit:
+                body = f"request line and headers exceed {limit} bytes\n".encode()
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 431,
+                        "headers": [
+                            (b"content-type", b"text/plain; charset=utf-8"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+                return
+        await app(scope, receive, send)
+
+    return guarded
 
 
 @final
@@ -302,7 +338,11 @@ async def serve_asgi(
     config.keep_alive_timeout = limits.keep_alive_timeout
     config.h11_max_incomplete_size = limits.max_header_bytes
     config.backlog = limits.backlog
-    asgi = wrap_app(app, config.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+    asgi = wrap_app(
+        _header_guard(app, limits.max_header_bytes),
+        config.wsgi_max_body_size,
+        "asgi",
+    )
     context = WorkerContext(None)
     faults = RateLimitedLog(logger)
     try:

@@ -1,6 +1,6 @@
 """The KV-event publisher on Trio: a PUB socket, a replaying ROUTER, a thread-safe queue.
 
-Wire (spec §9, byte-for-byte TokenSpeed): every non-empty round goes out as
+Wire (docs/protocol.md#proto-kv-events, byte-for-byte TokenSpeed): every non-empty round goes out as
 ``[topic, seq (8 B big-endian), payload]`` on a PUB socket, sequence numbers from 0
 without skips; an optional ROUTER answers ``[client, b"", start_seq]`` with every
 buffered batch from ``start_seq`` and the end marker (sequence -1, empty payload).
@@ -76,6 +76,7 @@ from tspd.core.replay import (
     end_marker_frames,
     replay_reply_frames,
 )
+from tspd.log import RateLimitedLog
 from tspd.shell.nursery import single_error
 from tspd.shell.zmq import MAX_MESSAGE_FRAMES, TrioSocket, open_socket
 
@@ -109,7 +110,8 @@ _REPLAY_YIELD_EVERY: Final = 64
 # Replays served at the same time (to different clients).
 _REPLAY_CONCURRENCY: Final = 8
 # The largest frame the replay ROUTER takes from a client (ZMQ_MAXMSGSIZE, per
-# frame): a request is [empty, start_seq] with an 8-byte start_seq (spec §9.4; a
+# frame): a request is [empty, start_seq] with an 8-byte start_seq
+# (docs/protocol.md#proto-kv-replay; a
 # longer one is read by its last 8 bytes). open_socket raises it to its handshake
 # floor (1 KiB), which is what applies.
 _MAX_REQUEST_FRAME_BYTES: Final = 64
@@ -324,6 +326,9 @@ class KVEventPublisher:
         self._replays_cut_short = 0
         self._warned_closed = False
         self._client_locks: dict[bytes, trio.StrictFIFOLock] = {}
+        #: Lines about what replay clients send or do, rate-limited per reason (a
+        #: client's ROUTER identity is new on every connection).
+        self._client_log = RateLimitedLog(log)
 
     # -- the public face ---------------------------------------------------------
 
@@ -460,7 +465,13 @@ class KVEventPublisher:
                     request = decode_replay_request(frames)
                 except WireError as exc:
                     self._replays_invalid += 1
-                    log.warning("%s on %s; ignored", exc, self._replay_endpoint)
+                    self._client_log.warning(
+                        "*",
+                        "invalid-replay-request",
+                        "%s on %s; ignored",
+                        exc,
+                        self._replay_endpoint,
+                    )
                     continue
                 lock = self._client_locks.setdefault(request.client, trio.StrictFIFOLock())
                 nursery.start_soon(self._serve_in_turn, router, request, lock, limiter)
@@ -503,7 +514,9 @@ class KVEventPublisher:
             return
         if outcome == _ReplaySend.STALLED:
             self._replays_cut_short += 1
-            log.warning(
+            self._client_log.warning(
+                "*",
+                "replay-cut-short",
                 "KV event replay to client %s cut short after %d of %d batches: the client "
                 "read nothing for %.1f s; the end marker follows the last batch sent, so "
                 "the client can ask again from there",
@@ -516,7 +529,9 @@ class KVEventPublisher:
         if end == _ReplaySend.SENT:
             self._replays_served += 1
         elif end == _ReplaySend.STALLED:
-            log.warning(
+            self._client_log.warning(
+                "*",
+                "replay-end-marker-lost",
                 "KV event replay to client %s: the end marker could not be sent either "
                 "(nothing read for %.1f s); the client's own replay timeout ends its wait",
                 request.client.hex(),
@@ -601,7 +616,8 @@ async def open_kv_publisher(
 ) -> AsyncIterator[KVEventPublisher]:
     """Publish KV events for ``dp_rank`` until the block exits.
 
-    Endpoints follow spec §9.6: the DP rank moves TCP ports, the PUB binds for
+    Endpoints follow docs/protocol.md#proto-kv-endpoints: the DP rank moves TCP ports, the PUB
+    binds for
     wildcard and IPC addresses and connects otherwise, the replay ROUTER binds.
     Unsupported endpoints raise :class:`ConfigError` here, before anything starts.
     ``replay_sndhwm`` overrides the ROUTER's send high-water mark (default: the

@@ -92,7 +92,8 @@ _RECV_BYTES: Final = 16 * 1024
 #: The largest payload frame a subscriber accepts by default (``ZMQ_MAXMSGSIZE`` on
 #: its SUB and DEALER; libzmq checks each frame, and disconnects a publisher that
 #: announces a larger one before storing it: that batch becomes a gap, healed by
-#: replay or reported lost). The protocol fixes no bound (§9): a batch is one
+#: replay or reported lost). The protocol fixes no bound (docs/protocol.md#proto-kv-events): a
+#: batch is one
 #: scheduler round's cache mutations on one DP rank, about 24 bytes a removed block
 #: and 40-100 bytes a stored one (1-16 tokens), so 64 MiB is over 2.5 million
 #: removals or 650,000 16-token blocks in a single round.
@@ -320,7 +321,13 @@ class _SourceFeed:
                 try:
                     seq, payload = split_pub_frames(frames)
                 except WireError as exc:
-                    log.warning("malformed KV event message from %s ignored: %s", self.label, exc)
+                    self._foreign_log.warning(
+                        self.label,
+                        "malformed",
+                        "malformed KV event message from %s ignored: %s",
+                        self.label,
+                        exc,
+                    )
                     continue
                 live(seq, payload, now)
             await self._apply()
@@ -333,7 +340,13 @@ class _SourceFeed:
                 try:
                     reply = decode_replay_reply(frames)
                 except WireError as exc:
-                    log.warning("malformed KV event replay from %s ignored: %s", self.label, exc)
+                    self._foreign_log.warning(
+                        self.label,
+                        "malformed-replay",
+                        "malformed KV event replay from %s ignored: %s",
+                        self.label,
+                        exc,
+                    )
                     continue
                 if reply.is_end:
                     self.tracker.replay_end(now)
@@ -378,13 +391,22 @@ class _SourceFeed:
                 try:
                     batch = decode_batch(payload)
                 except WireError as exc:
-                    log.warning("KV event batch %d from %s is malformed: %s", seq, label, exc)
+                    self._foreign_log.warning(
+                        label,
+                        "undecodable",
+                        "KV event batch %d from %s is malformed: %s",
+                        seq,
+                        label,
+                        exc,
+                    )
                     return UndecodableBatch(label, seq, str(exc))
                 return ReceivedBatch(label, seq, batch, replayed)
             case RequestReplay(start_seq=start, attempt=attempt):
                 return ReplayRequested(label, start, attempt)
             case GapUnhealable(first_missing=first, resumed_at=resumed, reason=reason):
-                log.warning(
+                self._foreign_log.warning(
+                    label,
+                    "lost",
                     "KV events %d..%d from %s are lost (%s); the view of this publisher is "
                     "incomplete",
                     first,
@@ -394,7 +416,9 @@ class _SourceFeed:
                 )
                 return BatchesLost(label, first, resumed, reason)
             case _Restarted(last_seq=last, new_seq=new):
-                log.warning(
+                self._foreign_log.warning(
+                    label,
+                    "restarted",
                     "KV event publisher %s restarted (sequence %d after %d); drop its state",
                     label,
                     new,

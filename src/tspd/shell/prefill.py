@@ -8,9 +8,10 @@ the world. The peer's nursery owns:
 * the **control task** — the only owner of the PULL control socket (bound on the
   configured host, frames and frame counts bounded by the protocol's largest
   message); it drains registrations and pre-allocations in batches into
-  ``core.receive_control`` (spec §7.9.4–7.9.5);
+  ``core.receive_control`` (docs/protocol.md#proto-registration-handling,
+  docs/protocol.md#proto-preallocation-checks);
 * the **push pool** — a bounded pool of PUSH sockets, one per Decode endpoint, one
-  owner task, for status messages and failure notices (spec §3). A route libzmq
+  owner task, for status messages and failure notices (docs/protocol.md#proto-zmq). A route libzmq
   cannot use fails only the rooms of the sessions replying there
   (``core.send_failed``); a route the core releases is closed;
 * the **transfer workers** — sharded as the core says, so one room's chunks stay
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -97,7 +99,7 @@ RECENT_FAILURES = 1024
 
 class ReleaseRefused(TspdError):
     """Sleep may not release the registered cache while a tracked request may still
-    send (spec §7.11); the message lists the rooms."""
+    send (docs/protocol.md#proto-sleep-wake); the message lists the rooms."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +202,19 @@ class PrefillPeer:
 
     # -- command execution -------------------------------------------------------
 
+    def _internal_error(self, what: str) -> None:
+        """A fault of tspd's own while handling ``what`` from a peer: logged with its
+        traceback, rate-limited (the peer may repeat the message); the loop goes on."""
+        self.observer.log_limits.rejections.log(
+            logging.ERROR,
+            "*",
+            "internal-error",
+            "tspd failed handling %s, which was dropped: a bug, please report it with "
+            "this traceback",
+            what,
+            exc_info=True,
+        )
+
     def _pump(self, *, activity: bool = False) -> None:
         """Execute, in order, every command the core queued; ``activity`` marks input
         from outside the scheduler (a message, a transfer outcome, a timer)."""
@@ -280,7 +295,8 @@ class PrefillPeer:
         self._pump()
 
     async def poll(self) -> list[Event]:
-        """One poll (spec §7.4): local values, the replica agreement's MIN, then the
+        """One poll (docs/protocol.md#proto-prefill-poll): local values, the replica agreement's
+        MIN, then the
         events in registration order — :class:`~tspd.core.commands.Bootstrapped`,
         :class:`~tspd.core.commands.Succeeded`, :class:`~tspd.core.commands.Failed`.
         Every rank of the group polls once per scheduler iteration."""
@@ -303,7 +319,8 @@ class PrefillPeer:
         self._activity = trio.Event()
 
     def abort(self, room: int, reason: str) -> None:
-        """Fail ``room`` with ``reason``, notifying every destination (spec §7.9.1)."""
+        """Fail ``room`` with ``reason``, notifying every destination
+        (docs/protocol.md#proto-failure-epd-abort)."""
         self.core.abort(room, reason, trio.current_time())
         self._pump()
 
@@ -385,7 +402,8 @@ class PrefillPeer:
     # -- sleep / wake --------------------------------------------------------------
 
     def release_registration(self) -> None:
-        """Deregister the arena from the transfer engine for a sleep (spec §7.11).
+        """Deregister the arena from the transfer engine for a sleep
+        (docs/protocol.md#proto-sleep-wake).
         Refused while a tracked request may still send; unclaimed rooms do not
         hold it."""
         try:
@@ -421,8 +439,9 @@ class PrefillPeer:
             for frames in messages:
                 try:
                     self.core.receive_control(frames, now)
-                except Exception:  # the control loop never dies (spec §4.1)
-                    log.exception("Unexpected CachePD bootstrap message failure")
+                # The loop never dies (docs/protocol.md#proto-control-dispatch).
+                except Exception:
+                    self._internal_error("a control message")
             self._pump(activity=True)
 
     async def _control_secure(self, sock: TrioSocket, batch: int) -> None:
@@ -434,7 +453,7 @@ class PrefillPeer:
                 try:
                     self.core.receive_control(frames, now, sender)
                 except Exception:  # never dies (docs/protocol.md#proto-control-dispatch)
-                    log.exception("Unexpected CachePD bootstrap message failure")
+                    self._internal_error("a control message")
             self._pump(activity=True)
 
     async def _register_with_bootstrap(
@@ -475,7 +494,7 @@ class PrefillOutbox:
     ``concurrent.futures.Future`` at once: ignore it, or call ``result()`` for the
     error the call raised. Calls run in the order they were made. A remote decode
     is staged when its plan goes to the data plane and handed over once the
-    drafter's pending round finished (spec §12 item 18), so the KV it sends
+    drafter's pending round finished (docs/protocol.md#proto-prefill-forward), so the KV it sends
     includes what that round wrote.
     """
 

@@ -1,6 +1,6 @@
 """Outgoing control messages: a bounded pool of PUSH sockets, one per peer endpoint.
 
-Spec §3: status messages and failure notices (Prefill → Decode) and
+Transport (docs/protocol.md#proto-zmq): status messages and failure notices (Prefill → Decode) and
 registrations and pre-allocations (Decode → Prefill) go out on PUSH sockets
 connected to ``tcp://<endpoint>:<port>``, one per endpoint. Delivery is
 fire-and-forget: a PUSH to a peer that is not there yet queues, and everything
@@ -110,7 +110,8 @@ _yield_cpu = os.sched_yield
 def endpoint_url(endpoint: str, port: int) -> str:
     """``tcp://host:port`` for a peer's advertised endpoint.
 
-    Spec §3: if ``endpoint`` contains ``:`` only the part before the first ``:``
+    Transport (docs/protocol.md#proto-zmq): if ``endpoint`` contains ``:`` only the part before the
+    first ``:``
     is the host (IPv6 literals are not supported by TokenSpeed either).
     """
     host = endpoint.split(":", 1)[0]

@@ -1,6 +1,7 @@
 """Transfer workers: run a Prefill core's planned chunks through the transfer engine.
 
-The core shards chunks by destination set (spec §6.8) and plans every copy of a
+The core shards chunks by destination set (docs/protocol.md#proto-batching) and plans every copy of
+a
 chunk before its first write; a worker runs the chunks queued on its shard one
 after another, so one room's chunks — and its final report — stay in order.
 
@@ -11,7 +12,8 @@ destination's copies in order, cut into engine calls of at most
 to the core:
 
 * a failed write → ``transfer_failed(room, session_id, reason, now)`` and the rest
-  of the chunk is dropped (later intervals are not attempted, spec §7.9.2);
+  of the chunk is dropped (later intervals are not attempted,
+  docs/protocol.md#proto-failure-decode-death);
 * a layerwise wait that must stop → the reason the core gives (room ended) or
   the spec's layerwise peer failure;
 * every interval written and the chunk final → ``transfer_succeeded(room, now)``.
@@ -34,7 +36,8 @@ stop before taking it.
 
 Each write to one destination session that succeeds — one chunk's copies in one
 interval, or a group's shared copies — is reported to ``on_write(session_id,
-nbytes, seconds)`` when given, for the transfer latency metrics (spec §10: R-pd
+nbytes, seconds)`` when given, for the transfer latency metrics (docs/protocol.md#proto-metrics:
+R-pd
 observes each ``write_copies``).
 
 A worker never dies of a chunk's error: it logs it, fails that room through the
@@ -369,7 +372,8 @@ class TransferWorkers:
         self, chunk: StartTransfer, target: int, read: Callable[[], int]
     ) -> str | None:
         """Wait for producer step ``target``, re-checking every ~100 ms whether the
-        room ended or a destination failed (spec §7.9.2); the reason to stop, else
+        room ended or a destination failed (docs/protocol.md#proto-failure-decode-death); the
+        reason to stop, else
         ``None`` once the step landed."""
         while True:
             reason = self._feedback.wait_should_stop(chunk)
