@@ -338,3 +338,34 @@ def test_posts_run_in_order_from_many_threads() -> None:
         concurrent.futures.wait(futures, timeout=5)
     for tid in range(4):
         assert [i for t, i in seen if t == tid] == list(range(200))
+
+
+def test_a_thread_scheduler_sleeps_until_its_peer_sees_activity(pd: LocalPD) -> None:
+    """A reactive driver: block in wait_for_activity (no timer polling), then poll."""
+    with open_trio_thread() as host:
+        server = host.enter(pd.bootstrap_server())
+        prefill = ThreadedPrefill(host, host.enter(pd.prefill_peer(server.address)))
+        decode = ThreadedDecode(host, host.enter(pd.decode_peer()))
+        # Nothing happened yet: the wait times out.
+        assert decode.wait_for_activity(0.05) is False
+        decode.register_request("w", 3000, server.address).result(timeout=5)
+        prefill.register_request("w", 3000).result(timeout=5)
+        # The parallel-info lookup answers in the Trio thread: that wakes the driver.
+        assert decode.wait_for_activity(5.0) is True
+        done: Event | None = None
+        deadline = time.monotonic() + 20
+        while done is None:
+            assert time.monotonic() < deadline
+            for event in decode.poll():
+                if isinstance(event, Bootstrapped):
+                    manifest = pd.preallocation(3000, PROMPT)
+                    decode.send_preallocation(3000, manifest)
+                elif isinstance(event, RemotePrefillDone | Failed):
+                    done = event
+            for event in prefill.poll():
+                if isinstance(event, Bootstrapped):
+                    prefill.hand_over([pd.prompt("w", 3000, PROMPT).row])
+            if done is None:
+                # Each side's activity wakes its own waiter; bound each wait.
+                decode.wait_for_activity(0.2) or prefill.wait_for_activity(0.2)
+        assert isinstance(done, RemotePrefillDone), done

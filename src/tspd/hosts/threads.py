@@ -14,6 +14,8 @@ whose entry points never wait for a transfer (docs/architecture.md#threads):
   group's agreement), never for a transfer.
 * :class:`ThreadedDecode` -- ``register_request`` and ``send_preallocation`` post,
   ``poll()`` as above.
+* Both have ``wait_for_activity(timeout)``: block until the peer saw something
+  arrive (one wake from the Trio thread, no polling), then ``poll()``.
 * :class:`ThreadedSubscriber` -- ``get(timeout)`` returns the next KV-event item or
   ``None``. Publishing needs no facade: :class:`~tspd.shell.kv_publisher.KVEventPublisher`
   ``publish`` / ``publish_nowait`` are thread-safe already.
@@ -348,8 +350,27 @@ def open_trio_thread(*, name: str = "tspd-trio") -> Iterator[TrioThread]:
     host.close()
 
 
+class _ActivityWake:
+    """A blocking, bounded wait for a peer's activity from a plain thread: the peer
+    sets a ``threading.Event`` from its Trio thread whenever something arrived
+    (a message, a transfer outcome, a lookup, a timer), so a scheduler thread
+    sleeps until then instead of polling on a timer -- one wake, no round trip."""
+
+    def __init__(self, host: TrioThread, peer: PrefillPeer | DecodePeer) -> None:
+        self._wake = threading.Event()
+        host.call_sync(lambda: setattr(peer, "on_activity", self._wake.set))
+
+    def wait_for_activity(self, timeout: float) -> bool:
+        """Block until the peer saw activity since the last call, at most ``timeout``
+        seconds; ``True`` when it did (then poll), ``False`` on timeout."""
+        if self._wake.wait(timeout):
+            self._wake.clear()
+            return True
+        return False
+
+
 @final
-class ThreadedPrefill:
+class ThreadedPrefill(_ActivityWake):
     """A Prefill peer's scheduler- and forward-side API for plain threads.
 
     Wrap a peer entered in a :class:`TrioThread`:
@@ -357,6 +378,7 @@ class ThreadedPrefill:
     """
 
     def __init__(self, host: TrioThread, peer: PrefillPeer) -> None:
+        super().__init__(host, peer)
         self._host = host
         self.peer = peer
         self._outbox = host.call_sync(lambda: peer.outbox)
@@ -408,7 +430,7 @@ class ThreadedPrefill:
 
 
 @final
-class ThreadedDecode:
+class ThreadedDecode(_ActivityWake):
     """A Decode peer's scheduler-side API for plain threads.
 
     Wrap a peer entered in a :class:`TrioThread`:
@@ -416,6 +438,7 @@ class ThreadedDecode:
     """
 
     def __init__(self, host: TrioThread, peer: DecodePeer) -> None:
+        super().__init__(host, peer)
         self._host = host
         self.peer = peer
 

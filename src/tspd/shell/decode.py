@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, final
@@ -159,6 +159,9 @@ class DecodePeer:
         self._timer = DeadlineTimer(core.next_deadline, self._on_timeout)
         self._nursery: trio.Nursery | None = None
         self._activity = trio.Event()
+        #: Called (in the Trio thread) whenever :meth:`wait_for_activity` would wake;
+        #: a thread host sets it to wake its scheduler thread without polling.
+        self.on_activity: Callable[[], None] | None = None
         self.heartbeats = 0
 
     @property
@@ -184,6 +187,8 @@ class DecodePeer:
     def _pump(self, *, activity: bool = False) -> None:
         if activity:
             self._activity.set()
+            if self.on_activity is not None:
+                self.on_activity()
         for command in self.core.drain_commands():
             self._execute(command)
         self.observer.finished(self.core.drain_finished())

@@ -41,7 +41,7 @@ import concurrent.futures
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, final
@@ -192,6 +192,9 @@ class PrefillPeer:
         self._portal: LoopPortal | None = None
         self._outbox: PrefillOutbox | None = None
         self._activity = trio.Event()
+        #: Called (in the Trio thread) whenever :meth:`wait_for_activity` would wake;
+        #: a thread host sets it to wake its scheduler thread without polling.
+        self.on_activity: Callable[[], None] | None = None
         # Routes the push pool could not send to, for the core (see _pump).
         self._unreachable: list[tuple[str, int, str]] = []
 
@@ -220,6 +223,8 @@ class PrefillPeer:
         from outside the scheduler (a message, a transfer outcome, a timer)."""
         if activity:
             self._activity.set()
+            if self.on_activity is not None:
+                self.on_activity()
         for command in self.core.drain_commands():
             self._execute(command)
         while self._unreachable:
