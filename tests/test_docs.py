@@ -33,6 +33,7 @@ API_PAGES = {
     "tspd.testing": "testing",
     "tspd.log": "logging",
     "tspd.layouts": "layouts",
+    "tspd.sim": "sim",
 }
 
 

@@ -140,7 +140,8 @@ def test_planning_errors_fail_the_room_instead_of_raising() -> None:
     core.parallel_info("bad:1", _info(layout="{}"), 0.0)
     assert core.room_state(4) is RoomState.FAILED
     values = core.poll_values(0.0)
-    assert values == [0, 0, 0, 0]
+    # Four Failed requests, then four "pages free" flags (none pre-allocated).
+    assert values == [0, 0, 0, 0, 1, 1, 1, 1]
     events = core.conclude(values, 0.0)
     assert [type(e) for e in events] == [Failed] * 4
     assert core.statistics()["rooms"] == 0
@@ -212,7 +213,7 @@ def test_transferring_from_an_expected_rank_is_a_monotonic_update() -> None:
         core = pair.decode[0]
         core.receive_status(_status(4, TransferPoll.TRANSFERRING, 1), pair.now + 0.5)
         assert core.room_state(4) is RoomState.TRANSFERRING
-        assert core.poll_values(pair.now) == [int(TransferPoll.TRANSFERRING)]
+        assert core.poll_values(pair.now)[0] == int(TransferPoll.TRANSFERRING)
         assert core.rooms_by_state() == {"Transferring": 1}
         trace = core.trace(4)
         assert trace is not None
@@ -244,7 +245,7 @@ def test_progress_from_a_rank_outside_the_route_changes_nothing() -> None:
         core = pair.decode[0]
         core.receive_status(_status(4, TransferPoll.TRANSFERRING, 5), pair.now)
         assert core.room_state(4) is RoomState.WAITING_FOR_INPUT
-        assert core.poll_values(pair.now) == [int(TransferPoll.WAITING_FOR_INPUT)]
+        assert core.poll_values(pair.now)[0] == int(TransferPoll.WAITING_FOR_INPUT)
         pair.pump()
         assert any("not a rank of the room's transfer route" in m for m in _logs(pair))
     finally:
@@ -443,9 +444,10 @@ def test_waiting_deadlines_follow_forgotten_and_reused_rooms() -> None:
     assert pair.poll_decode() == [
         Failed("r3", "Request 3 timed out after 101.0s in TransferPoll.WaitingForInput")
     ]
-    # Room 1 waits; rooms 2 and 3 timed out with their writes possibly coming, so
-    # their pages stay held (one value each after the requests': 0 = hold).
-    assert core.poll_values(pair.now) == [int(TransferPoll.WAITING_FOR_INPUT), 0, 0]
+    # Room 1 waits (its pages written by nobody yet: flag 0, held should it fail);
+    # rooms 2 and 3 timed out with their writes possibly coming, so their pages
+    # stay held (one value each after the requests' flags: 0 = hold).
+    assert core.poll_values(pair.now) == [int(TransferPoll.WAITING_FOR_INPUT), 0, 0, 0]
     assert core.statistics()["waiting"] == 1
     assert core.statistics()["held_rooms"] == 2
     pair.close()

@@ -85,9 +85,6 @@ _BOOTSTRAPPED: Final = int(TransferPoll.BOOTSTRAPPED)
 _WAITING_FOR_INPUT: Final = int(TransferPoll.WAITING_FOR_INPUT)
 _TRANSFERRING: Final = int(TransferPoll.TRANSFERRING)
 _SUCCESS: Final = int(TransferPoll.SUCCESS)
-#: A failed request's poll value on a rank whose pages a Prefill rank may still
-#: write: below ``Failed``, so the MIN tells every rank of the group to hold them.
-_PAGES_HELD: Final = -1
 #: Values that conclude a request on this rank.
 _CONCLUDING: Final = frozenset({_SUCCESS, _FAILED})
 #: Agreed values that announce ``Bootstrapped`` (once).
@@ -645,8 +642,20 @@ class DecodeCore:
         except TspdError as err:
             self._fail(room, f"invalid pre-allocation metadata: {err}", now)
             return
-        for target in route.targets:
-            info = self._rank_infos[(receiver.addr, route.dp_group, target)]
+        infos = [self._rank_infos.get((receiver.addr, route.dp_group, t)) for t in route.targets]
+        if any(info is None for info in infos):
+            # Its route was dropped meanwhile (repeated waiting timeouts): nothing to
+            # pre-allocate with; the request fails and a retry routes afresh.
+            self._fail(
+                room,
+                f"the cached route to Prefill {receiver.addr} was dropped before room "
+                f"{room} pre-allocated; retry the request",
+                now,
+                reason_class=ReasonClass.PEER_DEAD,
+            )
+            return
+        for target, info in zip(route.targets, infos, strict=True):
+            assert info is not None
             frames = full if target in route.expected else empty
             self._commands.append(SendFrames(info.rank_ip, info.rank_port, tuple(frames), room))
         receiver.preallocated = True
@@ -912,9 +921,12 @@ class DecodeCore:
 
     def poll_values(self, now: float) -> list[int]:
         """This rank's value per tracked request, in registration order, for the MIN
-        all-reduce (docs/protocol.md#proto-decode-poll). A request waiting for input past the
-        waiting timeout
-        concludes ``Failed`` with its reason."""
+        all-reduce (docs/protocol.md#proto-decode-poll), followed by one flag per
+        request (0: this rank's pages may still be written, should it fail) and one
+        per held room (1: this rank may reuse its pages) -- the write-fencing values,
+        agreed with the same MIN (docs/architecture.md#write-fencing). A request
+        waiting for input past the waiting timeout concludes ``Failed`` with its
+        reason."""
         self._check_expired_waits(now)
         values: list[int] = []
         append = values.append
@@ -932,9 +944,11 @@ class DecodeCore:
                     reason = self._faults.reason(room)
                     self._fail(room, reason, now, reason_class=ReasonClass.INJECTED)
                     receiver.concluded = value = failed
-            if value == failed and receiver.preallocated and self._writers(receiver):
-                value = _PAGES_HELD
             append(value)
+        # Then, per request, whether this rank's pages may still be written if it
+        # fails (0) or not (1): the MIN holds them when any rank's may be.
+        for receiver in self._receivers.values():
+            append(0 if self._holds(receiver) else 1)
         # Then one value per held room, in the order they failed: 1 when this rank
         # may reuse its pages (the MIN releases them once every rank may).
         bound = self.config.quarantine_timeout
@@ -947,18 +961,20 @@ class DecodeCore:
         that ended are forgotten with their rooms."""
         receivers = list(self._receivers.values())
         held = list(self._held.items())
-        if len(agreed) != len(receivers) + len(held):
+        count = len(receivers)
+        if len(agreed) != 2 * count + len(held):
             raise ProtocolError(
                 f"the replica agreement returned {len(agreed)} values for "
                 f"{len(receivers)} tracked requests and {len(held)} held rooms: every rank "
                 "must track the same requests"
             )
-        events: list[Event] = self._release(held, agreed[len(receivers) :], now)
-        agreed = agreed[: len(receivers)]
+        events: list[Event] = self._release(held, agreed[2 * count :], now)
+        free = agreed[count : 2 * count]
+        agreed = agreed[:count]
         # Plain ints in locals: no enum is built or looked up per request. A value
         # that is not a live TransferPoll reads as Failed, as from_wire would say.
         live, announcing, success = _LIVE, _ANNOUNCING, _SUCCESS
-        for receiver, value in zip(receivers, agreed, strict=True):
+        for index, (receiver, value) in enumerate(zip(receivers, agreed, strict=True)):
             if value in live:
                 if not receiver.announced:
                     if value in announcing:
@@ -977,8 +993,8 @@ class DecodeCore:
                         timeout_stage=receiver.timeout_stage,
                     )
                 reason = self._rooms.failure(room) or f"Request {room} failed"
-                # A negative agreed value: some rank's pages may still be written.
-                pages_held = value < 0
+                # Some rank of the group may still have its pages written.
+                pages_held = free[index] == 0
                 events.append(Failed(receiver.rid, reason, pages_held))
                 if pages_held:
                     self._hold(receiver, now)
@@ -991,6 +1007,14 @@ class DecodeCore:
         writers = self._writers(receiver) if receiver.preallocated else set()
         self._held.pop(receiver.room, None)
         self._held[receiver.room] = _Held(receiver.rid, now, writers)
+
+    def _holds(self, receiver: _Receiver) -> bool:
+        """Whether an expected Prefill rank may still write this rank's pages of the
+        request (its pre-allocation went out and not every writer said it ended)."""
+        if not receiver.preallocated:
+            return False
+        route = self._routes.get(receiver.room)
+        return route is not None and not route.expected <= receiver.ended_by
 
     def _writers(self, receiver: _Receiver) -> set[int]:
         """Expected Prefill ranks of the room that have not said it ended."""

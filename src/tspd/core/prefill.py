@@ -858,7 +858,10 @@ class PrefillCore:
         if len(destinations) > expected:
             raise PlanError(_FANOUT)
         complete = len(destinations) == expected
-        if complete:
+        if complete or state is RoomState.BOOTSTRAPPED:
+            # A set that was complete is checked again with the newcomer (a retried
+            # request from a Decode of another TP size expects more destinations):
+            # it fails, so nobody hears Success for pages no write was planned for.
             validate_fanout([self._fanout_member(d.session_id) for d in destinations])
         self._per_room.destinations[room] = destinations
         self._touch(room, now)

@@ -1,0 +1,488 @@
+"""A whole simulated cluster, run for one seed.
+
+:class:`Cluster` builds every process of a :class:`~tspd.sim.config.SimConfig` —
+a bootstrap server and its attention-DP groups per Prefill instance
+(:mod:`tspd.sim.prefill`), the Decode instances (:mod:`tspd.sim.decode`), the
+router (:mod:`tspd.sim.router`) — on one virtual clock (:mod:`tspd.sim.clock`),
+schedules the run's partitions and crashes, and runs events until the cluster has
+drained: every request arrived and ended on both sides, and then long enough for
+every table's timers (unclaimed rooms, failed sessions, late writes) to run out.
+
+After every event the invariants of :mod:`tspd.sim.invariants` are checked on
+what the event touched, and the deadlines of live requests are checked against
+the virtual time; every ``audit_interval`` every core's table sizes are checked
+against their bounds; at the end, every per-room table must be empty.
+
+Deadlines, per side, from the moment a side registered the request (``slack``
+covers network delays and scheduler iterations):
+
+* Decode: two bootstrap lookups (``http_timeout`` each), then the waiting timeout;
+* Prefill: the bootstrap timeout and the forward; once a transfer is queued, the
+  time its worker can take, every engine call bounded by the transfer timeout.
+
+Everything random comes from generators seeded from the seed, one per concern
+(workload, faults, network, engines, pages), so the workload of a seed does not
+change when faults are switched on or off.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from typing import Final, TypeVar
+
+from tspd.core.decode import DecodeConfig, DecodeCore
+from tspd.core.prefill import FAILED_ROOM_MEMORY, REJECTED_SESSION_MEMORY
+from tspd.sim.arena import TagCodec
+from tspd.sim.bootstrap import BootstrapServer
+from tspd.sim.clock import EventQueue
+from tspd.sim.config import SimConfig
+from tspd.sim.decode import DecodeInstance, DecodeRank
+from tspd.sim.invariants import Check, Checker, StopRun, Violation
+from tspd.sim.network import Network, Partition
+from tspd.sim.prefill import PrefillGroup, PrefillRank
+from tspd.sim.result import Outcomes, SimResult
+from tspd.sim.router import Router
+from tspd.sim.timeline import Timeline
+from tspd.sim.transfers import TransferStats
+from tspd.sim.workload import Request, draw_requests
+
+__all__ = ["Cluster", "run"]
+
+#: Core table sizes that must be zero once every room ended.
+PREFILL_PER_ROOM: Final = (
+    "rooms",
+    "traces",
+    "tracked_requests",
+    "tracked_rooms",
+    "unclaimed",
+    "destinations",
+    "usage",
+    "layerwise_rooms",
+    "metadata",
+    "awaiting_token",
+    "transfers_in_flight",
+    "failed_sessions",
+    "writing_rooms",
+    "deferred_notices",
+)
+DECODE_PER_ROOM: Final = (
+    "rooms",
+    "traces",
+    "tracked_requests",
+    "routes",
+    "completions",
+    "waiting",
+    "tracker_rooms",
+    "awaiting_info",
+    "awaiting_rank",
+    "held_rooms",
+)
+#: Timelines kept in a result for fenced rooms (the first few).
+FENCED_TIMELINES: Final = 3
+#: Cluster events kept for a report (the most recent).
+EVENTS_KEPT: Final = 40
+#: Timer wake-ups in a row that find a core's deadline still due and nothing done.
+MAX_TIMER_SPINS: Final = 64
+#: Events a run may take per request (and a floor): beyond, it does not drain.
+STEPS_PER_ROOM: Final = 20_000
+
+R = TypeVar("R", PrefillRank, DecodeRank)
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    """A Poisson draw (Knuth's method; ``mean`` is small)."""
+    limit, count, product = math.exp(-mean), 0, rng.random()
+    while product > limit:
+        count += 1
+        product *= rng.random()
+    return count
+
+
+class Cluster:
+    """Every process of one run, and the run itself (:meth:`run`)."""
+
+    def __init__(self, config: SimConfig, seed: int) -> None:
+        self.config = config
+        self.seed = seed
+        timings = config.timings
+        self.queue = EventQueue()
+        self.workload_rng = random.Random(f"{seed}:workload")
+        self.fault_rng = random.Random(f"{seed}:faults")
+        self.engine_rng = random.Random(f"{seed}:engines")
+        self.page_rng = random.Random(f"{seed}:pages")
+        self.timeline = Timeline()
+        self.checker = Checker(self.queue, self.timeline, config.fencing == "strict")
+        self.network = Network(
+            self.queue, random.Random(f"{seed}:network"), config.faults, timings, self.timeline
+        )
+        self.stats = TransferStats()
+        self.outcomes = Outcomes()
+        self.codec = TagCodec(
+            fields=2,
+            slots=-(-config.max_prompt // config.page_tokens),
+            page_tokens=config.page_tokens,
+            kv_heads=config.kv_heads,
+        )
+        #: Allowance for network delays and scheduler iterations in deadlines.
+        self.slack = 1.0 + 20 * timings.poll_interval
+        self.poll_slack = 3 * timings.poll_interval
+        self.decode_bound = 2 * timings.http_timeout + timings.waiting_timeout + self.slack
+        #: How long Decode cores hold a failed room's pages at most (0: cores
+        #: without write fencing, which hold nothing).
+        self.quarantine_timeout = (
+            timings.quarantine_timeout
+            if "quarantine_timeout" in DecodeConfig.__dataclass_fields__
+            else 0.0
+        )
+        self._port = 20000
+        self._base = 0
+        #: Live Decode transfer sessions, and those whose process died.
+        self.sessions: dict[str, DecodeRank] = {}
+        self.retired_sessions: list[str] = []
+        #: Cluster-wide happenings (partitions, crashes, warnings naming no room),
+        #: the most recent ones, for reports.
+        self.events: deque[str] = deque(maxlen=EVENTS_KEPT)
+        self.bootstrap = [
+            BootstrapServer(i, f"10.3.{i}.1")
+            for i in range(sum(shape.count for shape in config.prefill))
+        ]
+        self.bootstrap_by_addr = {server.addr: server for server in self.bootstrap}
+        self.prefill: list[list[PrefillGroup]] = []
+        for shape in config.prefill:
+            for _ in range(shape.count):
+                instance = len(self.prefill)
+                self.prefill.append(
+                    [PrefillGroup(self, instance, dp, shape.dp, shape.tp) for dp in range(shape.dp)]
+                )
+        self.decode: list[DecodeInstance] = []
+        for shape in config.decode:
+            for _ in range(shape.count):
+                self.decode.append(DecodeInstance(self, len(self.decode), shape.tp))
+        requests = draw_requests(config, self.workload_rng)
+        self.requests = requests
+        self.room_index = {request.room: request.index for request in requests}
+        #: The Decode instances each room was sent to (two for a hedged request).
+        self.sent_to: dict[int, list[str]] = {}
+        self.window = requests[-1].arrival if requests else 0.0
+        self.router = Router(self, requests)
+        self.draining_until: float | None = None
+        self.audit_interval = 0.25
+        self.partitions = 0
+        self.crashes = 0
+        #: The room the current event is about, when one is: a core that raises
+        #: is reported with that room's timeline.
+        self.focus: int | None = None
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def now(self) -> float:
+        """The virtual time."""
+        return self.queue.now
+
+    def next_port(self) -> int:
+        """A port no process of the run has used (restarts get new ones)."""
+        self._port += 1
+        return self._port
+
+    def next_base(self) -> int:
+        """A fresh arena number (arena bases are ``number << 32``)."""
+        self._base += 1
+        return self._base
+
+    def prefill_group(self, request: Request) -> PrefillGroup:
+        """The Prefill DP group that serves ``request`` (``room % dp_size``)."""
+        groups = self.prefill[request.prefill]
+        return groups[request.room % len(groups)]
+
+    def forward_time(self, request: Request) -> float:
+        """How long the Prefill forward of ``request`` takes."""
+        return 0.001 + request.prompt_len * self.config.timings.forward_per_token
+
+    def arm_timer(self, rank: R, fire: Callable[[R], None]) -> None:
+        """Make sure ``fire(rank)`` runs at the rank's core's next deadline."""
+        deadline = rank.core.next_deadline()
+        if deadline is None:
+            return
+        if rank.timer_at is not None and rank.timer_at <= max(deadline, self.now + 1e-6):
+            return
+        if deadline <= self.now:
+            # A deadline that is due but expired nothing (floating point at the
+            # boundary): look again a hair later; a core whose deadline never
+            # clears would spin here, which is a bug of its own.
+            rank.timer_spins += 1
+            if rank.timer_spins > MAX_TIMER_SPINS:
+                self.checker.violate(
+                    Check.DEADLINE,
+                    rank.name,
+                    f"next_deadline() stays at {deadline} after handle_timeout at {self.now}",
+                )
+            deadline = self.now + 1e-9 * max(1.0, self.now)
+        else:
+            rank.timer_spins = 0
+        rank.timer_at = deadline
+        self.queue.at(deadline, fire, rank)
+
+    def drain(self) -> None:
+        """Every request ended: run on until every table's timers ran out."""
+        if self.draining_until is not None:
+            return
+        t = self.config.timings
+        self.draining_until = self.now + (
+            t.bootstrap_timeout
+            + t.failed_session_ttl
+            + 2 * t.transfer_timeout
+            + 2 * t.heartbeat_interval
+            + self.quarantine_timeout
+            + 1.0
+        )
+
+    def _note(self, text: str) -> None:
+        self.events.append(f"t={self.now:.3f} {text}")
+
+    def log(self, where: str, message: str) -> None:
+        """A core's warning that names no room, kept among the cluster events."""
+        self._note(f"{where}: {message}")
+
+    # ------------------------------------------------------------------ faults
+
+    def _schedule_faults(self) -> None:
+        faults, rng, timings = self.config.faults, self.fault_rng, self.config.timings
+        span = self.window + 2.0
+        groups = [g for groups in self.prefill for g in groups]
+        if faults.partition:
+            for _ in range(_poisson(rng, faults.partition)):
+                start = rng.uniform(0.0, span)
+                end = start + timings.partition_time * rng.uniform(0.25, 1.5)
+                kind = rng.randrange(4)
+                if kind == 0:
+                    target = rng.choice(groups)
+                    hosts, what = target.hosts, target.name
+                elif kind == 1:
+                    target_d = rng.choice(self.decode)
+                    hosts, what = target_d.hosts, target_d.name
+                elif kind == 2:
+                    server = rng.choice(self.bootstrap)
+                    hosts, what = frozenset({server.host}), server.name
+                else:
+                    rank = rng.choice(
+                        [r for g in groups for r in g.ranks]
+                        + [r for d in self.decode for r in d.ranks]
+                    )
+                    hosts, what = frozenset({rank.ip}), rank.name
+                self.network.partitions.append(Partition(start, end, hosts))
+                self.partitions += 1
+                self.queue.at(start, self._partition_note, f"{what} cut off until {end:.3f}")
+        if faults.crash:
+            targets: list[PrefillGroup | DecodeInstance] = [*groups, *self.decode]
+            for _ in range(_poisson(rng, faults.crash)):
+                self.queue.at(rng.uniform(0.0, span), self._crash, rng.choice(targets))
+
+    def _partition_note(self, text: str) -> None:
+        self._note(f"partition: {text}")
+
+    def _crash(self, target: PrefillGroup | DecodeInstance) -> None:
+        if not target.alive or self.draining_until is not None:
+            return
+        self.crashes += 1
+        self._note(f"crash: {target.name} (restarts in {self.config.timings.restart_delay}s)")
+        target.crash()
+
+    # ------------------------------------------------------------------ audits
+
+    def _audit(self, _: object) -> None:
+        """Check every core's tables against their bounds; repeat while running."""
+        for groups in self.prefill:
+            for group in groups:
+                if group.alive:
+                    for prank in group.ranks:
+                        self._audit_prefill(group, prank, draining=False)
+        for instance in self.decode:
+            if instance.alive:
+                for drank in instance.ranks:
+                    self._audit_decode(instance, drank.core, drank.name, draining=False)
+        if self.draining_until is None:
+            # Often while requests arrive, then once a second while timeouts run.
+            busy = self.now <= self.window + 1.0
+            self.queue.after(self.audit_interval if busy else 1.0, self._audit)
+
+    def _bound(self, where: str, name: str, value: int, bound: int) -> None:
+        if value > bound:
+            self.checker.violate(Check.BOUNDS, where, f"{name} is {value}, above its bound {bound}")
+
+    def _audit_prefill(self, group: PrefillGroup, rank: PrefillRank, *, draining: bool) -> None:
+        core, where, engine = rank.core, rank.name, rank.engine
+        stats = core.statistics()
+        if draining:
+            left = {k: stats[k] for k in PREFILL_PER_ROOM if stats.get(k)}
+            if left:
+                self.checker.violate(Check.DRAINED, where, f"tables not empty after drain: {left}")
+        tracked = stats["tracked_requests"]
+        if tracked != len(group.requests):
+            self.checker.violate(
+                Check.BOUNDS,
+                where,
+                f"the core tracks {tracked} requests, the scheduler {len(group.requests)}",
+            )
+        # A room is claimed by a request or on its unclaimed clock; an unclaimed room
+        # may hold destinations with no status yet (docs/protocol.md#proto-prefill-room-table).
+        known = stats["tracked_rooms"] + stats["unclaimed"]
+        bound = self._bound
+        bound(where, "tracked_rooms", stats["tracked_rooms"], tracked)
+        bound(where, "rooms", stats["rooms"], known)
+        for name in ("traces", "destinations", "usage", "metadata", "awaiting_token"):
+            bound(where, name, stats[name], known)
+        bound(where, "transfers_in_flight", stats["transfers_in_flight"], known)
+        bound(where, "writing_rooms", stats.get("writing_rooms", 0), engine.pending)
+        bound(where, "deferred_notices", stats.get("deferred_notices", 0), engine.pending)
+        sessions = len(self.sessions) + len(self.retired_sessions)
+        bound(where, "registrations", stats["registrations"], sessions)
+        bound(where, "failed_sessions", stats["failed_sessions"], sessions)
+        bound(where, "rejected", stats["rejected"], REJECTED_SESSION_MEMORY)
+        bound(where, "failed_room_memory", stats["failed_room_memory"], FAILED_ROOM_MEMORY)
+
+    def _audit_decode(
+        self, instance: DecodeInstance, core: DecodeCore, where: str, *, draining: bool
+    ) -> None:
+        stats = core.statistics()
+        if draining:
+            left = {k: stats[k] for k in DECODE_PER_ROOM if stats.get(k)}
+            if left:
+                self.checker.violate(Check.DRAINED, where, f"tables not empty after drain: {left}")
+        tracked = stats["tracked_requests"]
+        if tracked != len(instance.requests):
+            self.checker.violate(
+                Check.BOUNDS,
+                where,
+                f"the core tracks {tracked} requests, the scheduler {len(instance.requests)}",
+            )
+        bound = self._bound
+        for name in ("rooms", "routes", "completions", "waiting", "tracker_rooms", "awaiting_info"):
+            bound(where, name, stats[name], tracked)
+        bound(where, "traces", stats["traces"], stats["rooms"])
+        bound(where, "held_rooms", stats.get("held_rooms", 0), len(instance.held))
+        prefill_ranks = sum(len(g.ranks) for groups in self.prefill for g in groups)
+        bound(where, "awaiting_rank", stats["awaiting_rank"], tracked * prefill_ranks)
+        bound(where, "addresses", stats["addresses"], len(self.bootstrap))
+        bound(where, "rank_infos", stats["rank_infos"], prefill_ranks)
+        bound(where, "registered_ranks", stats["registered_ranks"], prefill_ranks)
+
+    def _final_checks(self) -> None:
+        outstanding = self.checker.outstanding()
+        if outstanding or self.router.unsent:
+            key, room = outstanding[0] if outstanding else ("router", None)
+            self.checker.violate(
+                Check.OUTCOME,
+                key,
+                f"the run ended with {len(outstanding)} request sides live and "
+                f"{self.router.unsent} requests never sent",
+                room,
+            )
+        for groups in self.prefill:
+            for group in groups:
+                if group.alive:
+                    for prank in group.ranks:
+                        self._audit_prefill(group, prank, draining=True)
+        for instance in self.decode:
+            if instance.alive:
+                for drank in instance.ranks:
+                    self._audit_decode(instance, drank.core, drank.name, draining=True)
+
+    def stale_registrations(self) -> int:
+        """Registrations, over every live Prefill rank, of sessions that died."""
+        retired = self.retired_sessions
+        return sum(
+            1
+            for groups in self.prefill
+            for group in groups
+            if group.alive
+            for rank in group.ranks
+            for session in retired
+            if rank.core.is_registered(session)
+        )
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> SimResult:
+        """Run to the end (or to the first strict violation)."""
+        started = time.perf_counter()
+        queue, checker = self.queue, self.checker
+        for groups in self.prefill:
+            for group in groups:
+                group.start()
+        for instance in self.decode:
+            instance.start()
+        self._schedule_faults()
+        self.queue.after(self.audit_interval, self._audit)
+        t = self.config.timings
+        horizon = self.window + 50 * (t.bootstrap_timeout + t.waiting_timeout + t.transfer_timeout)
+        max_steps = STEPS_PER_ROOM * (len(self.requests) + 50)
+        if not self.requests:
+            self.drain()
+        try:
+            while True:
+                when = queue.next_time()
+                if when is None:
+                    break
+                if self.draining_until is not None and when > self.draining_until:
+                    queue.now = self.draining_until
+                    break
+                if when > horizon or queue.steps > max_steps:
+                    checker.violate(
+                        Check.OUTCOME,
+                        "cluster",
+                        f"the run did not drain ({queue.steps} events, t={when:.3f})",
+                    )
+                self.focus = None
+                queue.step()
+                checker.check_deadlines()
+            self._final_checks()
+        except StopRun:
+            pass
+        except Exception as exc:
+            frames = traceback.format_exception(exc)
+            checker.violations.append(
+                Violation(
+                    Check.RAISED,
+                    self.now,
+                    "cluster",
+                    f"{type(exc).__name__}: {exc}\n{''.join(frames[-6:])}",
+                    self.focus,
+                )
+            )
+        return self._result(time.perf_counter() - started)
+
+    def _result(self, wall: float) -> SimResult:
+        checker = self.checker
+        rooms = [v.room for v in checker.violations if v.room is not None]
+        rooms += [v.room for v in checker.fenced[:FENCED_TIMELINES] if v.room is not None]
+        timelines = {room: self.timeline.format(room) for room in rooms}
+        return SimResult(
+            seed=self.seed,
+            config=self.config,
+            outcomes=self.outcomes,
+            sim_seconds=self.now,
+            wall_seconds=wall,
+            steps=self.queue.steps,
+            rooms=len(self.requests),
+            network=self.network.stats,
+            transfers=self.stats,
+            crashes=self.crashes,
+            partitions=self.partitions,
+            violations=tuple(checker.violations),
+            fenced=tuple(checker.fenced),
+            fenced_corruptions=checker.fenced_corruptions,
+            stale_registrations=self.stale_registrations(),
+            timelines=timelines,
+            events=tuple(self.events),
+        )
+
+
+def run(config: SimConfig, seed: int) -> SimResult:
+    """Run ``config`` with ``seed``; the result says what broke, if anything."""
+    return Cluster(config, seed).run()

@@ -1,0 +1,265 @@
+"""What one simulated run is: the cluster's shape, its timings and its faults.
+
+A run is a seed plus a :class:`SimConfig`; nothing else influences it. The config
+is frozen and can be written back as the ``tspd sim`` command line that repeats the
+run (:meth:`SimConfig.command`), which is what a violation report prints.
+
+Shapes are written as on the command line: ``2xTP2`` is two Prefill (or Decode)
+instances of TP size 2, ``1xTP2DP2`` one instance of two attention-DP groups of TP
+2 (Prefill only), and several shapes are joined with ``,`` (``1xTP2,2xTP1``).
+Faults are ``name`` or ``name=value`` items joined with ``,``
+(:func:`parse_faults`); a bare name takes the rate in :data:`FAULT_DEFAULTS`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields, replace
+from typing import Final, Literal
+
+from tspd.core.errors import ConfigError
+from tspd.layouts import kv_heads_per_rank
+
+__all__ = [
+    "FAULT_DEFAULTS",
+    "FENCING_MODES",
+    "Faults",
+    "InstanceShape",
+    "SimConfig",
+    "Timings",
+    "format_faults",
+    "format_shapes",
+    "parse_faults",
+    "parse_shapes",
+]
+
+FencingMode = Literal["strict", "report"]
+#: How the fencing check treats a write that lands in a Decode page after its room
+#: ended there: ``strict`` fails the run, ``report`` counts and prints it.
+FENCING_MODES: Final = ("strict", "report")
+
+_SHAPE = re.compile(r"(?:(?P<count>\d+)x)?TP(?P<tp>\d+)(?:DP(?P<dp>\d+))?\Z", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceShape:
+    """``count`` instances, each ``dp`` attention-DP groups of ``tp`` TP ranks."""
+
+    count: int
+    tp: int
+    dp: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.count}xTP{self.tp}" + (f"DP{self.dp}" if self.dp > 1 else "")
+
+
+def parse_shapes(text: str, *, what: str, allow_dp: bool) -> tuple[InstanceShape, ...]:
+    """``"2xTP2,1xTP1"`` as shapes; :class:`ConfigError` naming ``what`` otherwise."""
+    shapes: list[InstanceShape] = []
+    for item in text.split(","):
+        match = _SHAPE.match(item.strip())
+        if match is None:
+            raise ConfigError(f"{what} shape {item.strip()!r} is not like 2xTP2 or 1xTP2DP2")
+        count = int(match["count"] or 1)
+        tp = int(match["tp"])
+        dp = int(match["dp"] or 1)
+        if count < 1 or tp < 1 or dp < 1:
+            raise ConfigError(f"{what} shape {item.strip()!r} needs counts of at least 1")
+        if dp > 1 and not allow_dp:
+            raise ConfigError(f"{what} instances have no DP groups in the simulator")
+        shapes.append(InstanceShape(count, tp, dp))
+    return tuple(shapes)
+
+
+def format_shapes(shapes: tuple[InstanceShape, ...]) -> str:
+    """The command-line form of ``shapes``."""
+    return ",".join(str(s) for s in shapes)
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """Fault rates. Message faults apply to every control message; ``partition``
+    and ``crash`` are expected counts per run; the rest are per-event probabilities.
+
+    * ``loss``, ``dup``: a message is dropped, or delivered twice.
+    * ``reorder``: a message takes an extra random delay and may overtake others
+      (without it each link delivers in order, as ZeroMQ over TCP does).
+    * ``partition``: sets of hosts cut off from the rest for a while (messages
+      dropped, HTTP requests time out, writes hang until the transfer timeout).
+    * ``crash``: a Prefill DP group or a Decode instance dies and restarts with
+      empty tables, new ports and (Decode) new transfer sessions; peers are not told.
+    * ``xfail``: a write fails; ``hang``: a write hangs until the transfer timeout
+      and is then reported failed; ``late``: such a hung write still lands later.
+    * ``abort``: the Prefill scheduler aborts a request at a random moment.
+    * ``hedge``: the router also sends a request to a second Decode instance under
+      the same room (a retried request); the Prefill must not serve both.
+    """
+
+    loss: float = 0.0
+    dup: float = 0.0
+    reorder: float = 0.0
+    partition: float = 0.0
+    crash: float = 0.0
+    xfail: float = 0.0
+    hang: float = 0.0
+    late: float = 0.0
+    abort: float = 0.0
+    hedge: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not value >= 0:
+                raise ConfigError(f"fault {f.name} must not be negative, got {value}")
+            if f.name not in _COUNTS and value > 1:
+                raise ConfigError(f"fault {f.name} is a probability, got {value}")
+
+    @property
+    def any(self) -> bool:
+        """Whether any fault is on."""
+        return any(getattr(self, f.name) for f in fields(self))
+
+
+#: The settings ``tspd sim`` takes as options.
+_ON_THE_COMMAND_LINE: Final = frozenset({"rooms", "prefill", "decode", "faults", "fencing"})
+
+#: Faults whose value is an expected count per run rather than a probability.
+_COUNTS: Final = frozenset({"partition", "crash"})
+
+#: The rate a bare fault name (``reorder``, ``crash``...) takes.
+FAULT_DEFAULTS: Final[dict[str, float]] = {
+    "loss": 0.01,
+    "dup": 0.01,
+    "reorder": 0.1,
+    "partition": 2.0,
+    "crash": 1.0,
+    "xfail": 0.01,
+    "hang": 0.005,
+    "late": 0.5,
+    "abort": 0.02,
+    "hedge": 0.02,
+}
+
+
+def parse_faults(text: str) -> Faults:
+    """``"loss=0.01,dup=0.01,reorder,partition,crash"`` as :class:`Faults`; ``""``
+    and ``"none"`` are no faults, ``"all"`` every fault at its default rate."""
+    text = text.strip()
+    if text in ("", "none"):
+        return Faults()
+    if text == "all":
+        return Faults(**FAULT_DEFAULTS)
+    values: dict[str, float] = {}
+    for item in text.split(","):
+        name, sep, raw = item.strip().partition("=")
+        if name not in FAULT_DEFAULTS:
+            raise ConfigError(f"unknown fault {name!r}; known: {', '.join(FAULT_DEFAULTS)}")
+        try:
+            values[name] = float(raw) if sep else FAULT_DEFAULTS[name]
+        except ValueError:
+            raise ConfigError(f"fault {name} needs a number, got {raw!r}") from None
+    return Faults(**values)
+
+
+def format_faults(faults: Faults) -> str:
+    """The command-line form of ``faults`` (``none`` when all are off)."""
+    items = [
+        f"{f.name}={getattr(faults, f.name):g}" for f in fields(faults) if getattr(faults, f.name)
+    ]
+    return ",".join(items) or "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Virtual-time parameters, in seconds. Timeouts are the cores' (passed to
+    their configs); the rest model the engines, the network and the schedulers.
+
+    ``transfer_timeout`` is the engine's (Mooncake's ``MC_TRANSFER_TIMEOUT``): a
+    hung write is reported failed after it. ``quarantine_timeout`` is how long a
+    Decode core with write fencing holds a failed room's pages at most.
+    ``http_timeout`` bounds every bootstrap request. ``arrival_rate`` is requests
+    per second offered by the router; ``poll_interval`` the delay from an input to
+    the scheduler's next iteration; ``decode_time`` how long a request decodes
+    after its KV arrived.
+    """
+
+    bootstrap_timeout: float = 30.0
+    waiting_timeout: float = 60.0
+    failed_session_ttl: float = 30.0
+    heartbeat_interval: float = 5.0
+    heartbeat_max_failures: int = 2
+    transfer_timeout: float = 10.0
+    quarantine_timeout: float = 30.0
+    http_timeout: float = 5.0
+    connect_timeout: float = 2.0
+    link_delay: float = 0.0005
+    write_latency: float = 0.0005
+    forward_per_token: float = 0.00005
+    arrival_rate: float = 400.0
+    poll_interval: float = 0.002
+    decode_time: float = 0.05
+    restart_delay: float = 1.0
+    partition_time: float = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One simulated cluster and its workload (everything but the seed).
+
+    The model has ``kv_heads`` global KV heads of ``head_dim`` elements, one layer
+    (a K and a V field) and ``page_tokens`` tokens a page, ``num_pages`` pages a
+    rank; prompts are 1 to ``max_prompt`` tokens. ``transfer_workers`` per Prefill
+    rank. ``fencing`` is the fencing check's mode (:data:`FENCING_MODES`).
+    """
+
+    rooms: int = 200
+    prefill: tuple[InstanceShape, ...] = (InstanceShape(2, 2),)
+    decode: tuple[InstanceShape, ...] = (InstanceShape(3, 1),)
+    faults: Faults = field(default_factory=Faults)
+    fencing: FencingMode = "report"
+    timings: Timings = field(default_factory=Timings)
+    kv_heads: int = 4
+    head_dim: int = 8
+    page_tokens: int = 4
+    num_pages: int = 512
+    max_prompt: int = 32
+    transfer_workers: int = 2
+    max_inflight: int = 48
+
+    def __post_init__(self) -> None:
+        if self.rooms < 0:
+            raise ConfigError(f"rooms must not be negative, got {self.rooms}")
+        if self.fencing not in FENCING_MODES:
+            raise ConfigError(f"fencing must be one of {FENCING_MODES}, got {self.fencing!r}")
+        if not self.prefill or not self.decode:
+            raise ConfigError("a cluster needs at least one Prefill and one Decode instance")
+        for shape in (*self.prefill, *self.decode):
+            kv_heads_per_rank(self.kv_heads, shape.tp)  # raises for an impossible split
+        pages = -(-self.max_prompt // self.page_tokens)
+        if self.max_inflight * pages > self.num_pages:
+            raise ConfigError(
+                f"{self.max_inflight} requests in flight of up to {pages} pages do not fit "
+                f"in {self.num_pages} pages"
+            )
+
+    def with_(self, **changes: object) -> SimConfig:
+        """A copy with ``changes`` applied (``dataclasses.replace``)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def command(self, seed: int) -> str:
+        """The ``tspd sim`` command line that repeats the run of ``seed``; settings
+        the command line cannot give follow as a comment (pass them to
+        :class:`SimConfig` to repeat the run from Python)."""
+        line = (
+            f"tspd sim --seed {seed} --rooms {self.rooms} --prefill {format_shapes(self.prefill)} "
+            f"--decode {format_shapes(self.decode)} --faults {format_faults(self.faults)} "
+            f"--fencing {self.fencing}"
+        )
+        default = SimConfig()
+        others = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.name not in _ON_THE_COMMAND_LINE
+            and getattr(self, f.name) != getattr(default, f.name)
+        ]
+        return line + (f"  # and {', '.join(others)}" if others else "")

@@ -1,0 +1,645 @@
+"""A simulated Decode instance: its TP ranks, its scheduler and its arenas.
+
+Each rank is a :class:`~tspd.core.decode.DecodeCore` with a status port, a
+transfer session and an arena. The instance's scheduler
+(docs/protocol.md#proto-decode-poll):
+
+* reserves the request's pages when the router admits it (the pages now belong
+  to the request's room on every rank: one block table for the TP group);
+* registers the request on every rank (route planning, registrations, bootstrap
+  lookups answered by the simulated bootstrap servers);
+* on ``Bootstrapped``, zeroes the pages on every rank and pre-allocates them;
+* on ``RemotePrefillDone``, checks the first token and the cached-token count,
+  decodes for a while and frees the pages; on ``Failed``, frees them at once.
+
+Each rank also heartbeats the bootstrap addresses it uses every heartbeat
+interval, and has a timer for the waiting timeout.
+
+Write fencing (docs/protocol.md#proto-failures): when the cores say a failed
+room's pages are held (``Failed.pages_held``), the scheduler keeps them until a
+``PagesReleased`` event names the request (it must come within the quarantine
+timeout); cores without fencing release nothing and the pages are freed at once.
+
+The arena side: :meth:`DecodeInstance.land` applies a write's copies cell by cell
+and checks *fencing*: every page it touches must still belong to the write's room
+(held pages still do; freed or reused ones do not). A rank's room that turns
+``Success`` has its pages checked against the Prefill's data (the ``data``
+check).
+
+A crash loses every rank's tables, the scheduler's requests and the arenas; after
+the restart delay the instance comes back with new cores, new status ports and new
+transfer sessions (Decode churn).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tspd.core.commands import (
+    Bootstrapped,
+    Command,
+    Failed,
+    FetchParallelInfo,
+    FetchRankInfo,
+    RemotePrefillDone,
+    SendFrames,
+)
+from tspd.core.copies import CopyPlan
+from tspd.core.decode import DecodeConfig, DecodeCore
+from tspd.core.machines import RoomState
+from tspd.sim import arena
+from tspd.sim.agreement import iterate_group
+from tspd.sim.bootstrap import BootstrapServer
+from tspd.sim.invariants import Check
+from tspd.sim.notes import record
+from tspd.sim.workload import Request
+
+if TYPE_CHECKING:
+    from tspd.sim.cluster import Cluster
+    from tspd.sim.prefill import PrefillRank
+
+__all__ = ["DecodeInstance", "DecodeRank"]
+
+_SUCCESS = RoomState.SUCCESS
+_ABSENT = RoomState.ABSENT
+
+
+@dataclass(frozen=True, slots=True)
+class _Fetch:
+    """A bootstrap lookup in flight: who asked whom for what."""
+
+    incarnation: int
+    rank: DecodeRank
+    server: BootstrapServer
+    #: ``(engine_rank, dp_group)``, or ``None`` for the parallel info.
+    target: tuple[int, int] | None
+    ok: bool
+
+
+class DecodeRank:
+    """One Decode rank process (one incarnation of it)."""
+
+    __slots__ = (
+        "alive",
+        "arena",
+        "base",
+        "core",
+        "geometry",
+        "instance",
+        "ip",
+        "name",
+        "port",
+        "seen",
+        "session",
+        "timer_at",
+        "timer_spins",
+        "tp_rank",
+    )
+
+    def __init__(self, instance: DecodeInstance, tp_rank: int) -> None:
+        cluster = instance.cluster
+        config = cluster.config
+        self.instance = instance
+        self.tp_rank = tp_rank
+        self.name = f"{instance.name}r{tp_rank}"
+        self.ip = f"10.2.{instance.index}.{tp_rank + 1}"
+        self.port = cluster.next_port()
+        self.session = f"{self.ip}:{cluster.next_port()}"
+        self.geometry = arena.geometry_for(
+            instance.tp,
+            tp_rank,
+            config.kv_heads,
+            config.head_dim,
+            config.page_tokens,
+            config.num_pages,
+        )
+        contract = arena.contract_for(
+            instance.tp, config.kv_heads, config.head_dim, config.page_tokens, config.num_pages
+        )
+        self.base = cluster.next_base() << 32
+        self.arena: list[int | None] = [None] * self.geometry.cells
+        timings = config.timings
+        # Cores with write fencing hold a failed room's pages up to this long.
+        fencing = (
+            {"quarantine_timeout": timings.quarantine_timeout}
+            if "quarantine_timeout" in DecodeConfig.__dataclass_fields__
+            else {}
+        )
+        self.core = DecodeCore(
+            DecodeConfig(
+                tp_size=instance.tp,
+                tp_rank=tp_rank,
+                contract=contract,
+                arena_base=self.base,
+                session_id=self.session,
+                endpoint=self.ip,
+                port=self.port,
+                waiting_timeout=timings.waiting_timeout,
+                heartbeat_max_failures=timings.heartbeat_max_failures,
+                **fencing,  # type: ignore[arg-type]
+            )
+        )
+        self.seen: dict[int, RoomState] = {}
+        self.timer_at: float | None = None
+        self.timer_spins = 0
+        self.alive = True
+
+    def on_status(self, frames: Sequence[bytes]) -> None:
+        """A status message arrived."""
+        room: int | None = None
+        if frames and frames[0].isdigit() and len(frames[0]) < 20:
+            room = int(frames[0])
+            self.instance.cluster.focus = room
+        self.core.receive_status(frames, self.instance.cluster.now)
+        self.instance.pump(self, () if room is None else (room,))
+
+
+class DecodeInstance:
+    """One Decode instance (one TP group) and its scheduler."""
+
+    def __init__(self, cluster: Cluster, index: int, tp: int) -> None:
+        self.cluster = cluster
+        self.index = index
+        self.tp = tp
+        self.name = f"d{index}"
+        self.ranks: list[DecodeRank] = []
+        self.alive = False
+        self.incarnation = 0
+        self.pool = arena.PagePool(cluster.config.num_pages, cluster.page_rng)
+        #: Requests the scheduler tracks, by rid, and by room.
+        self.requests: dict[str, Request] = {}
+        self.by_room: dict[int, Request] = {}
+        #: Reserved pages per request (rid), and their owner room index per page.
+        self.pages: dict[str, list[int]] = {}
+        self.owner: dict[int, int] = {}
+        #: ``(tp_rank, room)`` whose data was checked when the rank's room turned
+        #: Success (the request's end need not check them again).
+        self.checked: set[tuple[int, int]] = set()
+        #: Failed requests whose pages the cores hold (write fencing), by rid.
+        self.held: dict[str, Request] = {}
+        #: Room indexes some of whose writes landed here after they ended.
+        self.fenced: set[int] = set()
+        self.poll_at: float | None = None
+        self.crashes = 0
+
+    @property
+    def hosts(self) -> frozenset[str]:
+        """The hosts of the instance's ranks."""
+        return frozenset(rank.ip for rank in self.ranks)
+
+    def key(self, request: Request) -> str:
+        """The request's name on this side."""
+        return f"{self.name}:{request.rid}"
+
+    def pages_key(self, request: Request) -> str:
+        """The name of the request's held pages, for their release deadline."""
+        return f"{self.name}:{request.rid}:pages"
+
+    # ------------------------------------------------------------------ life
+
+    def start(self) -> None:
+        """Start (or restart) every rank with new ports and sessions."""
+        cluster = self.cluster
+        self.incarnation += 1
+        self.poll_at = None
+        self.ranks = [DecodeRank(self, r) for r in range(self.tp)]
+        self.alive = True
+        self.pool = arena.PagePool(cluster.config.num_pages, cluster.page_rng)
+        for rank in self.ranks:
+            cluster.network.listen(rank.ip, rank.port, rank.name, rank.on_status)
+            cluster.sessions[rank.session] = rank
+            cluster.queue.after(
+                cluster.config.timings.heartbeat_interval, self._heartbeat, (self.incarnation, rank)
+            )
+
+    def crash(self) -> None:
+        """The instance dies: tables, requests, pages and arenas are lost."""
+        cluster = self.cluster
+        now = cluster.now
+        self.alive = False
+        self.crashes += 1
+        for rank in self.ranks:
+            rank.alive = False
+            cluster.network.close(rank.ip, rank.port)
+            cluster.retired_sessions.append(rank.session)
+            cluster.sessions.pop(rank.session, None)
+        for request in self.requests.values():
+            cluster.timeline.note(
+                request.room, now, self.name, "request lost: the instance crashed"
+            )
+            cluster.checker.ended(self.key(request))
+            cluster.outcomes.lost += 1
+            cluster.router.side_ended(request)
+        self.requests.clear()
+        self.by_room.clear()
+        self.pages.clear()
+        self.owner.clear()
+        self.checked.clear()
+        for request in self.held.values():
+            cluster.checker.ended(self.pages_key(request))
+        self.held.clear()
+        cluster.queue.after(cluster.config.timings.restart_delay, self._restart, self.incarnation)
+
+    def _restart(self, incarnation: int) -> None:
+        if incarnation == self.incarnation and not self.alive:
+            self.start()
+            self.cluster.router.kick()
+
+    # ------------------------------------------------------------------ driving cores
+
+    def pump(
+        self, rank: DecodeRank, rooms: Iterable[int], *, every: bool = False, wake: bool = True
+    ) -> None:
+        """Execute the rank's queued commands, check the rooms touched (or every
+        room it holds), re-arm its timer and schedule an iteration."""
+        cluster = self.cluster
+        if not rank.alive:
+            return
+        touched = set(rooms)
+        now = cluster.now
+        for command in rank.core.drain_commands():
+            self._execute(rank, command, touched, now)
+        if every:
+            touched.update(rank.seen)
+        observe, state_of, seen = cluster.checker.observe, rank.core.room_state, rank.seen
+        for room in touched:
+            state = state_of(room)
+            if (
+                seen.get(room, _ABSENT) is not state
+                and observe(seen, rank.name, state, room) is _SUCCESS
+            ):
+                self._check_data(rank, room)
+        cluster.arm_timer(rank, self.on_timer)
+        if wake:
+            self.wake()
+
+    def _execute(self, rank: DecodeRank, command: Command, touched: set[int], now: float) -> None:
+        cluster = self.cluster
+        kind = type(command)
+        if kind is SendFrames:
+            assert isinstance(command, SendFrames)
+            room = command.room
+            if room is not None:
+                touched.add(room)
+                what = "register" if command.frames[0] == b"None" else "pre-allocate"
+                cluster.timeline.note(
+                    room, now, rank.name, f"{what} with {command.endpoint}:{command.port}"
+                )
+            host = command.endpoint.split(":", 1)[0]
+            cluster.network.send(rank.ip, host, command.port, command.frames, room, rank.name)
+        elif kind is FetchParallelInfo:
+            assert isinstance(command, FetchParallelInfo)
+            self._fetch(rank, command.bootstrap_addr, None)
+        elif kind is FetchRankInfo:
+            assert isinstance(command, FetchRankInfo)
+            self._fetch(rank, command.bootstrap_addr, (command.engine_rank, command.dp_group))
+        else:
+            record(cluster, rank.name, command, touched, now)
+
+    def _fetch(self, rank: DecodeRank, addr: str, target: tuple[int, int] | None) -> None:
+        cluster = self.cluster
+        server = cluster.bootstrap_by_addr.get(addr)
+        if server is None:
+            raise AssertionError(f"{rank.name} asked an unknown bootstrap address {addr}")
+        delay, ok = cluster.network.exchange(rank.ip, server.host, server.up)
+        cluster.queue.after(
+            delay, self._fetched, _Fetch(self.incarnation, rank, server, target, ok)
+        )
+
+    def _fetched(self, fetch: _Fetch) -> None:
+        rank, server = fetch.rank, fetch.server
+        if fetch.incarnation != self.incarnation or not rank.alive:
+            return
+        now = self.cluster.now
+        addr = server.addr
+        unreachable = f"bootstrap server {addr} unreachable"
+        if fetch.target is None:
+            info = server.parallel_info() if fetch.ok else unreachable
+            rank.core.parallel_info(addr, info, now)
+        else:
+            engine_rank, dp_group = fetch.target
+            answer = server.rank_info(engine_rank, dp_group) if fetch.ok else unreachable
+            rank.core.rank_info(addr, dp_group, engine_rank, answer, now)
+        self.pump(rank, (), every=True)
+
+    def _heartbeat(self, argument: tuple[int, DecodeRank]) -> None:
+        incarnation, rank = argument
+        if incarnation != self.incarnation or not rank.alive:
+            return
+        cluster = self.cluster
+        addrs = rank.core.bootstrap_addrs()
+        interval = cluster.config.timings.heartbeat_interval
+        if not addrs:
+            cluster.queue.after(interval, self._heartbeat, argument)
+            return
+        results: list[tuple[str, bool]] = []
+        longest = 0.0
+        for addr in addrs:
+            server = cluster.bootstrap_by_addr[addr]
+            delay, ok = cluster.network.exchange(rank.ip, server.host, server.up)
+            results.append((addr, ok))
+            longest = max(longest, delay)
+        cluster.queue.after(longest, self._beaten, (incarnation, rank, results))
+
+    def _beaten(self, argument: tuple[int, DecodeRank, list[tuple[str, bool]]]) -> None:
+        incarnation, rank, results = argument
+        if incarnation != self.incarnation or not rank.alive:
+            return
+        cluster = self.cluster
+        for addr, ok in results:
+            rank.core.heartbeat(addr, ok, cluster.now)
+        self.pump(rank, (), every=True)
+        cluster.queue.after(
+            cluster.config.timings.heartbeat_interval, self._heartbeat, (incarnation, rank)
+        )
+
+    def on_timer(self, rank: DecodeRank) -> None:
+        """The rank's deadline came (the waiting timeout)."""
+        if not rank.alive:
+            return
+        rank.timer_at = None
+        deadline = rank.core.next_deadline()
+        if deadline is not None and deadline <= self.cluster.now:
+            rank.core.handle_timeout(self.cluster.now)
+            self.pump(rank, (), every=True)
+        else:
+            self.cluster.arm_timer(rank, self.on_timer)
+
+    # ------------------------------------------------------------------ scheduler
+
+    def reserve(self, request: Request) -> list[int] | None:
+        """The router admits ``request`` here if pages are free: they are its room's
+        from now on, until :meth:`submit` registers it or a crash loses them.
+        ``None`` when the instance is down or full."""
+        if not self.alive or len(self.pages) >= self.cluster.config.max_inflight:
+            return None
+        pages = self.pool.take(request.pages)
+        if pages is None:
+            return None
+        for page in pages:
+            self.owner[page] = request.index
+        self.pages[request.rid] = pages
+        return pages
+
+    def wake(self, delay: float | None = None) -> None:
+        """Schedule an iteration ``delay`` from now (the poll interval by default)."""
+        cluster = self.cluster
+        when = cluster.now + (cluster.config.timings.poll_interval if delay is None else delay)
+        if self.poll_at is not None and self.poll_at <= when:
+            return
+        self.poll_at = when
+        cluster.queue.at(when, self.iterate, self.incarnation)
+
+    def submit(self, request: Request) -> None:
+        """The router's request arrives: register it on every rank (its pages were
+        reserved when the router admitted it, unless the instance died since)."""
+        cluster = self.cluster
+        now = cluster.now
+        if not self.alive or request.rid not in self.pages:
+            cluster.timeline.note(request.room, now, self.name, "request lost: the instance died")
+            cluster.outcomes.lost += 1
+            cluster.router.side_ended(request)
+            return
+        self.requests[request.rid] = request
+        self.by_room[request.room] = request
+        server = cluster.bootstrap[request.prefill]
+        cluster.focus = request.room
+        cluster.timeline.note(request.room, now, self.name, f"register {request.rid}")
+        for rank in self.ranks:
+            rank.core.register_request(request.rid, request.room, server.addr, now)
+            self.pump(rank, (request.room,))
+        cluster.checker.expect_end(self.key(request), request.room, now + cluster.decode_bound)
+
+    def iterate(self, incarnation: int) -> None:
+        """One scheduler iteration on every rank: poll, MIN, conclude."""
+        if incarnation != self.incarnation or not self.alive:
+            return
+        cluster = self.cluster
+        if self.poll_at is not None and self.poll_at <= cluster.now:
+            self.poll_at = None
+        now = cluster.now
+        ranks = self.ranks
+        events = iterate_group(
+            cluster.checker, [r.name for r in ranks], [r.core for r in ranks], now
+        )
+        if events is None:
+            return
+        rooms = [r.room for e in events[0] if (r := self.requests.get(e.rid)) is not None]
+        for rank in ranks:
+            self.pump(rank, rooms, wake=False)
+        for index, event in enumerate(events[0]):
+            if type(event).__name__ == "PagesReleased":
+                self._pages_released(event.rid)
+                continue
+            request = self.requests.get(event.rid)
+            if request is None:
+                cluster.checker.violate(
+                    Check.OUTCOME, self.name, f"an event for an unknown request: {event}"
+                )
+                continue
+            if isinstance(event, Bootstrapped):
+                self._preallocate(request)
+            elif isinstance(event, RemotePrefillDone):
+                self._prefill_done(request, event)
+            else:
+                assert isinstance(event, Failed)
+                for rank, theirs in zip(self.ranks, events, strict=True):
+                    other = theirs[index]
+                    if not isinstance(other, Failed) or not other.reason:
+                        cluster.checker.violate(
+                            Check.OUTCOME,
+                            rank.name,
+                            f"Failed without a reason: {other}",
+                            request.room,
+                        )
+                self._end(request, f"Failed: {event.reason}")
+                if getattr(event, "pages_held", False):
+                    self._hold(request)
+                else:
+                    self._release(request.rid)
+        if events[0]:
+            self.wake()
+
+    def _hold(self, request: Request) -> None:
+        """The cores hold the failed request's pages: keep them until released,
+        which must happen within the quarantine timeout."""
+        cluster = self.cluster
+        quarantine = cluster.quarantine_timeout
+        self.held[request.rid] = request
+        cluster.timeline.note(request.room, cluster.now, self.name, "pages held (fencing)")
+        cluster.checker.expect_end(
+            self.pages_key(request), request.room, cluster.now + quarantine + cluster.slack
+        )
+        cluster.queue.after(quarantine + 1e-6, self.iterate, self.incarnation)
+
+    def _pages_released(self, rid: str) -> None:
+        cluster = self.cluster
+        request = self.held.pop(rid, None)
+        if request is None:
+            cluster.checker.violate(
+                Check.OUTCOME, self.name, f"PagesReleased for {rid}, whose pages are not held"
+            )
+            return
+        cluster.timeline.note(request.room, cluster.now, self.name, "pages released")
+        cluster.checker.ended(self.pages_key(request))
+        self._release(rid)
+
+    def _preallocate(self, request: Request) -> None:
+        cluster = self.cluster
+        now = cluster.now
+        pages = self.pages[request.rid]
+        cluster.focus = request.room
+        cluster.timeline.note(request.room, now, self.name, f"Bootstrapped; pre-allocate {pages}")
+        tables = {arena.GROUP: pages}
+        for rank in self.ranks:
+            arena.zero(rank.arena, rank.geometry, pages)
+            rank.core.send_preallocation(request.room, tables, now, prompt_len=request.prompt_len)
+            self.pump(rank, (request.room,))
+
+    def _prefill_done(self, request: Request, event: RemotePrefillDone) -> None:
+        cluster = self.cluster
+        for rank in self.ranks:
+            if (rank.tp_rank, request.room) not in self.checked:
+                self._check_data(rank, request.room)
+        if event.bootstrap_token != request.token or event.cached_tokens != request.cached_tokens:
+            cluster.checker.violate(
+                Check.DATA,
+                self.name,
+                f"{request.rid} got token {event.bootstrap_token} and {event.cached_tokens} "
+                f"cached tokens; the Prefill handed over {request.token} and "
+                f"{request.cached_tokens}",
+                request.room,
+            )
+        self._end(request, "RemotePrefillDone")
+        cluster.queue.after(
+            cluster.config.timings.decode_time, self._release_later, (self.incarnation, request.rid)
+        )
+
+    def _end(self, request: Request, outcome: str) -> None:
+        cluster = self.cluster
+        cluster.timeline.note(request.room, cluster.now, self.name, f"request ends: {outcome}")
+        del self.requests[request.rid]
+        self.by_room.pop(request.room, None)
+        for rank in self.ranks:
+            self.checked.discard((rank.tp_rank, request.room))
+        cluster.checker.ended(self.key(request))
+        cluster.router.side_ended(request)
+        if outcome == "RemotePrefillDone":
+            cluster.outcomes.decode_succeeded += 1
+        else:
+            cluster.outcomes.decode_failed += 1
+
+    def _release_later(self, argument: tuple[int, str]) -> None:
+        incarnation, rid = argument
+        if incarnation == self.incarnation:
+            self._release(rid)
+
+    def _release(self, rid: str) -> None:
+        pages = self.pages.pop(rid, None)
+        if pages is None:
+            return
+        for page in pages:
+            self.owner.pop(page, None)
+        self.pool.give(pages)
+        self.cluster.router.kick()
+
+    # ------------------------------------------------------------------ arena
+
+    def _check_data(self, rank: DecodeRank, room: int) -> None:
+        """Rank ``rank``'s room turned Success: its pages must hold the room's data."""
+        cluster = self.cluster
+        request = self.by_room.get(room)
+        if request is None:
+            cluster.checker.violate(
+                Check.DATA, rank.name, "a room this instance does not track turned Success", room
+            )
+            return
+        self.checked.add((rank.tp_rank, room))
+        pages = self.pages[request.rid]
+        mismatch = arena.check(
+            rank.arena, rank.geometry, cluster.codec, request.index, pages, request.prompt_len
+        )
+        if mismatch is None:
+            return
+        found = mismatch.found
+        detail = (
+            f"Success, but page {mismatch.page} (slot {mismatch.slot}, field {mismatch.field}) "
+            f"cell {mismatch.cell} holds {cluster.codec.describe(found)} instead of "
+            f"{cluster.codec.describe(mismatch.wanted)}"
+        )
+        others = [name for name in cluster.sent_to.get(room, ()) if name != self.name]
+        if others:
+            detail += f" (the room was also sent to {', '.join(others)})"
+        if found is not None and cluster.codec.room_of(found) in self.fenced:
+            cluster.checker.fenced_corruptions += 1
+            cluster.checker.fencing(rank.name, f"{detail} (a fenced late write)", room)
+            return
+        cluster.checker.violate(Check.DATA, rank.name, detail, room)
+
+    def land(
+        self,
+        target: DecodeRank,
+        source: PrefillRank,
+        room: int,
+        plan: CopyPlan,
+        count: int,
+        late: bool,
+    ) -> None:
+        """The first ``count`` copies of a write of ``room`` land in ``target``'s
+        arena (if its process still lives): cell for cell, each page checked for
+        fencing."""
+        if not target.alive:
+            return
+        cluster = self.cluster
+        index = cluster.room_index[room]
+        geometry, dst = target.geometry, target.arena
+        cell = geometry.cell_bytes
+        src_arena, src_base, src_cells = source.arena, source.base, source.geometry.cells
+        page_of_cell, chunk_end = geometry.page_of_cell, geometry.chunk_end
+        owner = self.owner
+        fenced_page: int | None = None
+        srcs, dsts, lengths = plan.tolist()
+        for n_copy, (src, dst_addr, length) in enumerate(zip(srcs, dsts, lengths, strict=True)):
+            if n_copy >= count:
+                break
+            s, d = src - src_base, dst_addr - target.base
+            if s % cell or d % cell or length % cell:
+                cluster.checker.violate(
+                    Check.DATA,
+                    source.name,
+                    f"copy {(src, dst_addr, length)} is not cell-aligned",
+                    room,
+                )
+            s, d, n = s // cell, d // cell, length // cell
+            if not (s >= 0 and s + n <= src_cells and d >= 0 and d + n <= geometry.cells):
+                cluster.checker.violate(
+                    Check.DATA, source.name, f"copy {(src, dst_addr, length)} leaves an arena", room
+                )
+            c, end = d, d + n
+            while c < end:
+                page = page_of_cell[c]
+                if page <= 0:
+                    cluster.checker.violate(
+                        Check.DATA,
+                        source.name,
+                        f"copy {(src, dst_addr, length)} writes outside any page of {target.name}",
+                        room,
+                    )
+                if fenced_page is None and owner.get(page) != index:
+                    fenced_page = page
+                c = chunk_end[c]
+            dst[d:end] = src_arena[s : s + n]
+        what = "late write" if late else "write"
+        cluster.timeline.note(room, cluster.now, target.name, f"{what} from {source.name} lands")
+        if fenced_page is not None:
+            self.fenced.add(index)
+            holder = self.owner.get(fenced_page)
+            whose = "a free page" if holder is None else f"a page of room#{holder}"
+            cluster.checker.fencing(
+                target.name,
+                f"a {what} from {source.name} landed in {whose} ({fenced_page}) after the room "
+                "ended here",
+                room,
+            )

@@ -1,0 +1,74 @@
+"""``tspd sim`` and ``tspd bench sim``; and tspd.sim stays sans-IO."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+import tspd.sim
+from tspd.cli import main
+from tspd.sim.transfers import SimEngine
+
+FORBIDDEN_MODULES = ("trio", "zmq", "mooncake", "httpx", "hypercorn", "starlette", "anyio")
+
+
+def test_importing_the_simulator_pulls_in_no_io_library() -> None:
+    modules = [f"tspd.sim.{m.name}" for m in pkgutil.iter_modules(tspd.sim.__path__)]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {FORBIDDEN_MODULES!r})\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    assert out == "", f"tspd.sim imported I/O modules: {out}"
+
+
+def test_one_run_prints_its_outcome() -> None:
+    result = CliRunner().invoke(main, ["sim", "--seed", "3", "--rooms", "40"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("seed 3: ok; 40 rooms; prefill 40 ok 0 failed")
+
+
+def test_a_violation_exits_1_with_the_seed_the_command_and_the_timeline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(SimEngine, "room_ended", lambda self, room: False)
+    args = ["sim", "--seed", "5", "--rooms", "100", "--faults", "abort=0.3,hang=0.02"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert "seed 5 violates write-after-end" in result.output
+    assert "repeat with: tspd sim --seed 5 --rooms 100 --prefill 2xTP2 --decode 3xTP1" in (
+        result.output
+    )
+    assert "timeline of room" in result.output
+
+
+def test_a_sweep_totals_its_seeds_and_shows_a_fencing_example() -> None:
+    args = ["sim", "--seeds", "3", "--rooms", "40", "--faults", "hang=0.3,late=1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "3 seeds, 120 rooms: 0 seeds broke a strict invariant" in result.output
+    assert "fencing (report):" in result.output
+    assert "seeds/s" in result.output
+
+
+def test_bad_arguments_are_usage_errors() -> None:
+    result = CliRunner().invoke(main, ["sim", "--prefill", "2xTQ2"])
+    assert result.exit_code == 2
+    assert "is not like 2xTP2" in result.output
+
+
+def test_the_benchmark_prints_its_figures() -> None:
+    args = ["bench", "sim", "--seeds", "1", "--rooms", "20", "--json"]
+    result = CliRunner().invoke(main, args, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert '"seeds_per_second"' in result.output
+    assert '"sim_seconds_per_wall_second"' in result.output
+    assert '"rooms_per_second"' in result.output
