@@ -118,7 +118,9 @@ def test_rooms_failed_by_forged_preallocations_are_bounded(pair: CorePair) -> No
     assert core.room_state(MAX_UNCLAIMED_ROOMS + 9) is RoomState.FAILED
 
 
-def test_registrations_are_bounded_by_forgetting_idle_sessions(pair: CorePair) -> None:
+def test_registrations_are_bounded_and_a_flood_does_not_push_out_a_working_decode(
+    pair: CorePair,
+) -> None:
     core = pair.prefill[0]
     pair.full_journey("a", 1, PROMPT)  # the real Decode's session is registered
     real = CorePair.decode_session(0)
@@ -129,7 +131,11 @@ def test_registrations_are_bounded_by_forgetting_idle_sessions(pair: CorePair) -
         core.receive_control(frames, pair.now)
         core.drain_commands()
     assert core.statistics()["registrations"] == MAX_REGISTRATIONS
-    assert not core.is_registered(real)  # the least recently used, idle, went first
+    # The real Decode had rooms accepted: the made-up sessions that never did are
+    # forgotten first, however recent; the real one still works.
+    assert core.is_registered(real)
+    prefill_events, _ = pair.full_journey("b", 2, PROMPT)
+    assert not any(isinstance(e, Failed) for e in prefill_events)
 
 
 def test_a_full_table_of_busy_sessions_refuses_new_ones(pair: CorePair) -> None:

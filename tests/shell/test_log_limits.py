@@ -65,3 +65,19 @@ def test_other_log_lines_are_not_limited(caplog: pytest.LogCaptureFixture) -> No
     for i in range(50):
         observer.command(Log(LogLevel.WARNING, f"operator line {i}"))
     assert len(_lines(caplog)) == 50
+
+
+def test_an_internal_error_is_logged_with_its_traceback_a_few_times_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    observer = PeerObserver("prefill", 0)
+    caplog.set_level(logging.INFO, logger="tspd")
+    for _ in range(100):
+        try:
+            raise OverflowError("a bug")
+        except OverflowError:
+            observer.internal_error("a control message")
+    lines = _lines(caplog)
+    assert len(lines) == observer.log_limits.rejections.burst
+    assert "tspd failed handling a control message" in lines[0].getMessage()
+    assert lines[0].exc_info is not None

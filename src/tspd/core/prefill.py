@@ -348,6 +348,8 @@ class PrefillCore:
         self._failed_sessions: dict[str, float] = {}
         #: Failed rooms already forgotten -> when they were (oldest first).
         self._failed_rooms: dict[int, float] = {}
+        #: Registered sessions that had a pre-allocation accepted (evicted last).
+        self._proven: set[str] = set()
         #: Rooms -> chunks handed to transfer workers and not yet reported back.
         self._writing: dict[int, int] = {}
         #: Rooms -> routes whose Failed notice waits for the room's writes to end.
@@ -747,6 +749,7 @@ class PrefillCore:
                 room, f"Decode session {session_id} registration rejected: {reason}", now
             )
         replaced = self._registrations.pop(session_id, None)
+        self._proven.discard(session_id)
         rejected = self._rejected
         rejected.pop(session_id, None)
         rejected[session_id] = (route.endpoint, route.port)
@@ -760,10 +763,17 @@ class PrefillCore:
         """Make room in a full registration table: forget the least recently used
         session that no room's destinations name; ``False`` if every one is busy."""
         busy = {d.session_id for group in self._per_room.destinations.values() for d in group}
-        for session_id in self._registrations:  # least recently used first
-            if session_id in busy:
-                continue
+        # Sessions that never had a pre-allocation accepted go first (a flood of
+        # made-up registrations must not push out the Decodes doing real work),
+        # then the least recently used of the others.
+        proven = self._proven
+        victim = next(
+            (s for s in self._registrations if s not in busy and s not in proven), None
+        ) or next((s for s in self._registrations if s not in busy), None)
+        if victim is not None:
+            session_id = victim
             registered = self._registrations.pop(session_id)
+            self._proven.discard(session_id)
             self._failed_sessions.pop(session_id, None)
             self._reject(
                 RejectReason.TABLE_FULL,
@@ -864,6 +874,7 @@ class PrefillCore:
             # it fails, so nobody hears Success for pages no write was planned for.
             validate_fanout([self._fanout_member(d.session_id) for d in destinations])
         self._per_room.destinations[room] = destinations
+        self._proven.add(session_id)
         self._touch(room, now)
         self._rooms.fire(
             room, PrefillTrigger.FANOUT_COMPLETE if complete else PrefillTrigger.PREALLOCATE
@@ -1368,6 +1379,7 @@ class PrefillCore:
         )
         for session_id in sessions:
             self._registrations.pop(session_id, None)
+            self._proven.discard(session_id)
             self._rejected.pop(session_id, None)
         destinations = self._per_room.destinations
         affected = [

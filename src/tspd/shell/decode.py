@@ -38,7 +38,6 @@ arena is registered with the engine so Prefill ranks can write into it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -170,19 +169,6 @@ class DecodePeer:
         return self.core.config.session_id
 
     # -- command execution -------------------------------------------------------
-
-    def _internal_error(self, what: str) -> None:
-        """A fault of tspd's own while handling ``what`` from a peer: logged with its
-        traceback, rate-limited (the peer may repeat the message); the loop goes on."""
-        self.observer.log_limits.rejections.log(
-            logging.ERROR,
-            "*",
-            "internal-error",
-            "tspd failed handling %s, which was dropped: a bug, please report it with "
-            "this traceback",
-            what,
-            exc_info=True,
-        )
 
     def _pump(self, *, activity: bool = False) -> None:
         if activity:
@@ -362,7 +348,7 @@ class DecodePeer:
                 try:
                     self.core.receive_status(frames, now)
                 except Exception:  # the status loop never dies
-                    self._internal_error("a Prefill status message")
+                    self.observer.internal_error("a Prefill status message")
             self._pump(activity=True)
 
     async def _status_secure(self, sock: TrioSocket, batch: int) -> None:
@@ -374,7 +360,7 @@ class DecodePeer:
                 try:
                     self.core.receive_status(frames, now, sender)
                 except Exception:  # the status loop never dies
-                    self._internal_error("a Prefill status message")
+                    self.observer.internal_error("a Prefill status message")
             self._pump(activity=True)
 
     async def _heartbeat(

@@ -107,6 +107,21 @@ class PeerObserver:
             self.metrics.observe_command(command)
         return log_command(self.log, command, limits=self.log_limits, **self._context)
 
+    def internal_error(self, what: str) -> None:
+        """A fault of tspd's own while handling ``what`` from a peer (call it in the
+        ``except`` block): logged with its traceback, rate-limited since the peer may
+        repeat the message; the caller's loop goes on."""
+        self.log_limits.rejections.log(
+            logging.ERROR,
+            "*",
+            "internal-error",
+            "tspd failed handling %s, which was dropped: a bug, please report it with "
+            "this traceback",
+            what,
+            exc_info=True,
+            **self._context,
+        )
+
     def write(self, session_id: str, nbytes: int, seconds: float) -> None:
         """A transfer worker wrote ``nbytes`` to ``session_id`` in ``seconds``."""
         if self.metrics is not None:

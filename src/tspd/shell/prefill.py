@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -204,19 +203,6 @@ class PrefillPeer:
         return self.engine.session_id
 
     # -- command execution -------------------------------------------------------
-
-    def _internal_error(self, what: str) -> None:
-        """A fault of tspd's own while handling ``what`` from a peer: logged with its
-        traceback, rate-limited (the peer may repeat the message); the loop goes on."""
-        self.observer.log_limits.rejections.log(
-            logging.ERROR,
-            "*",
-            "internal-error",
-            "tspd failed handling %s, which was dropped: a bug, please report it with "
-            "this traceback",
-            what,
-            exc_info=True,
-        )
 
     def _pump(self, *, activity: bool = False) -> None:
         """Execute, in order, every command the core queued; ``activity`` marks input
@@ -446,7 +432,7 @@ class PrefillPeer:
                     self.core.receive_control(frames, now)
                 # The loop never dies (docs/protocol.md#proto-control-dispatch).
                 except Exception:
-                    self._internal_error("a control message")
+                    self.observer.internal_error("a control message")
             self._pump(activity=True)
 
     async def _control_secure(self, sock: TrioSocket, batch: int) -> None:
@@ -458,7 +444,7 @@ class PrefillPeer:
                 try:
                     self.core.receive_control(frames, now, sender)
                 except Exception:  # never dies (docs/protocol.md#proto-control-dispatch)
-                    self._internal_error("a control message")
+                    self.observer.internal_error("a control message")
             self._pump(activity=True)
 
     async def _register_with_bootstrap(
