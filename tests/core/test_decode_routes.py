@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tspd.core import wire
 from tspd.core.commands import Bootstrapped, Failed, Succeeded
 from tspd.core.decode import DEAD_ROUTE_TIMEOUTS
 from tspd.core.machines import RoomState
@@ -55,12 +56,30 @@ def test_a_heartbeat_refetches_routes_and_a_moved_rank_is_registered_again(
     _ok(pair, "c", 3)
 
 
-def test_an_unchanged_route_is_left_alone(pair: CorePair) -> None:
+def test_an_unchanged_route_is_left_alone_and_the_registration_is_refreshed(
+    pair: CorePair,
+) -> None:
     _ok(pair, "a", 1)
     sent = len(pair.sent)
     pair.decode[0].heartbeat(ADDR, True, pair.now)
     pair.pump()
-    assert len(pair.sent) == sent
+    # Only the registration went again (no failure, no new route).
+    (again,) = [c for _, _, c in pair.sent[sent:]]
+    assert wire.is_registration(list(again.frames))
+    assert pair.prefill[0].statistics()["registrations"] == 1
+    _ok(pair, "b", 2)
+
+
+def test_a_prefill_that_forgot_the_session_has_it_back_after_one_heartbeat(
+    pair: CorePair,
+) -> None:
+    _ok(pair, "a", 1)
+    prefill = pair.prefill[0]
+    prefill._registrations.clear()  # as a full table would have forgotten it
+    assert not prefill.is_registered(CorePair.decode_session(0))
+    pair.decode[0].heartbeat(ADDR, True, pair.now)
+    pair.pump()
+    assert prefill.is_registered(CorePair.decode_session(0))
     _ok(pair, "b", 2)
 
 

@@ -832,6 +832,7 @@ class DecodeCore:
             tracked = self._tracker.get(bootstrap_addr, set())
             tracked.intersection_update(r for r in list(tracked) if r in self._rid_of_room)
             self._refresh_routes(bootstrap_addr)
+            self._register_again(bootstrap_addr)
             return
         address.failures += 1
         if address.failures < self.config.heartbeat_max_failures:
@@ -850,6 +851,18 @@ class DecodeCore:
             if key[0] == bootstrap_addr and key not in self._refreshing:
                 self._refreshing.add(key)
                 self._commands.append(FetchRankInfo(bootstrap_addr, key[2], key[1]))
+
+    def _register_again(self, bootstrap_addr: str) -> None:
+        """Send the (unchanged) registration to the address's Prefill ranks again: a
+        rank that forgot this session (a full registration table, a restart) has it
+        back within one heartbeat, and one that kept it only marks it recently used."""
+        for key in self._registered:
+            if key[0] == bootstrap_addr:
+                info = self._rank_infos.get(key)
+                if info is not None:
+                    self._commands.append(
+                        SendFrames(info.rank_ip, info.rank_port, self._registration_frames)
+                    )
 
     def _forget_routes(self, bootstrap_addr: str) -> None:
         """Drop the address's cached info, rank infos and registrations: the next

@@ -712,7 +712,8 @@ class PrefillCore:
             return
         self._rejected.pop(session_id, None)
         self._failed_sessions.pop(session_id, None)
-        self._registrations[session_id] = new
+        self._registrations.pop(session_id, None)
+        self._registrations[session_id] = new  # most recently used last
         if previous is None:
             self._log(
                 LogLevel.INFO,
