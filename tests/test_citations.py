@@ -10,14 +10,12 @@ stated in the page's "How code cites this reference" section):
 
 Every cited label must exist, so renaming a section cannot leave a stale citation
 behind, and ``test_no_reference_leaves_the_repository`` fails on any reference to a
-document kept outside the repository (``docs/spec-sections.json`` maps the old
-section numbers to the labels that replaced them). No test here builds the docs,
+document kept outside the repository. No test here builds the docs,
 so the module runs in well under a second.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -27,7 +25,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PROTOCOL = DOCS / "protocol.md"
-SECTION_MAP = DOCS / "spec-sections.json"
 THIS_FILE = Path(__file__).resolve()
 
 #: Where citations and stray references are looked for.
@@ -36,10 +33,9 @@ SCANNED_DIRS = ("src", "tests", "fuzz", "examples", "docs")
 SCANNED_SUFFIXES = frozenset(
     {".py", ".md", ".rst", ".txt", ".toml", ".cfg", ".ini", ".json", ".yaml", ".yml", ".mmd"}
 )
-#: Never scanned: build output and caches, this file (it spells the patterns out)
-#: and the migration map (its keys are the old section numbers on purpose).
+#: Never scanned: build output and caches, and this file (it spells the patterns out).
 SKIPPED_PARTS = frozenset({"_build", "__pycache__", ".hypothesis", ".pytest_cache"})
-SKIPPED_FILES = frozenset({THIS_FILE, SECTION_MAP.resolve()})
+SKIPPED_FILES = frozenset({THIS_FILE})
 
 
 LABEL = r"proto-[a-z0-9]+(?:-[a-z0-9]+)*"
@@ -218,42 +214,6 @@ def test_the_citation_check_catches_dangling_and_malformed_citations() -> None:
     assert dangling_citations("{ref}`proto-vanished`", "x.py", labels=labels, is_doc=False) == []
 
 
-def test_the_section_map_points_at_existing_labels() -> None:
-    data = json.loads(SECTION_MAP.read_text(encoding="utf-8"))
-    labels = protocol_labels()
-    sections: dict[str, dict[str, object]] = data["sections"]
-    required = (
-        ["§0", "§3", "§8", "§10", "§12", "§13", "§14", "§15"]
-        + [f"§1.{i}" for i in range(1, 6)]
-        + [f"§2.{i}" for i in range(1, 6)]
-        + [f"§4.{i}" for i in range(1, 8)]
-        + [f"§5.{i}" for i in range(1, 8)]
-        + [f"§6.{i}" for i in range(1, 11)]
-        + [f"§7.{i}" for i in range(1, 13)]
-        + [f"§7.9.{i}" for i in range(1, 8)]
-        + [f"§9.{i}" for i in range(1, 9)]
-        + [f"§12 item {i}" for i in range(1, 26)]
-        + [f"§14.{i}" for i in range(1, 7)]
-    )
-    assert [key for key in required if key not in sections] == []
-    for key, entry in sections.items():
-        assert entry["anchor"] in labels, (key, entry["anchor"])
-        also = entry.get("see_also", [])
-        assert isinstance(also, list)
-        assert [label for label in also if label not in labels] == [], key
-    for key, entry in data["other_references"].items():
-        page, _, fragment = str(entry["target"]).partition("#")
-        assert (ROOT / page).is_file(), (key, page)
-        if fragment.startswith("proto-"):
-            assert fragment in labels, (key, fragment)
-        elif fragment:
-            headings = {
-                re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
-                for h in re.findall(r"^#+ (.+)$", _read(ROOT / page), re.MULTILINE)
-            }
-            assert fragment in headings, (key, fragment)
-
-
 def test_the_protocol_reference_cites_nothing_outside_the_repository() -> None:
     hits = _hits(_OUT_OF_REPO, _read(PROTOCOL), "docs/protocol.md")
     assert hits == [], "\n".join(map(str, hits))
@@ -270,6 +230,6 @@ def test_no_reference_leaves_the_repository(
     print(f"\n{count} references to documents outside the repository remain: {summary}")
     assert count == 0, (
         f"{count} references to documents outside the repository: cite "
-        "docs/protocol.md#proto-<label> instead "
-        f"(docs/spec-sections.json maps section numbers to labels). Most in: {summary}"
+        "docs/protocol.md#proto-<label> instead. "
+        f"Most in: {summary}"
     )
