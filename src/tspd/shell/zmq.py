@@ -45,9 +45,9 @@ Every socket is owned by one Trio run; its methods are not thread-safe. Use
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Final, Self, final
+from typing import Final, Self, TypeVar, final
 
 import trio
 import zmq
@@ -56,6 +56,18 @@ from zmq.backend import Socket as _BackendSocket
 from tspd.log import component_logger
 
 __all__ = ["MAX_MESSAGE_FRAMES", "MIN_FRAME_LIMIT", "TrioSocket", "bind_free_port", "open_socket"]
+
+#: One received item of a batch: a message, or a message with its sender.
+_M = TypeVar("_M")
+
+
+def _frames_of_message(message: list[bytes]) -> list[bytes]:
+    return message
+
+
+def _frames_of_sent(item: tuple[list[bytes], str]) -> list[bytes]:
+    return item[0]
+
 
 log = component_logger("zmq")
 
@@ -207,28 +219,7 @@ class TrioSocket:
         With ``max_bytes``, stop once the messages taken reach that many bytes (all
         frames counted; the message that crosses the bound is kept).
         """
-        if max_msgs < 1:
-            raise ValueError(f"max_msgs must be at least 1, got {max_msgs}")
-        await trio.lowlevel.checkpoint_if_cancelled()
-        out: list[list[bytes]] = []
-        budget = max_bytes if max_bytes is not None else -1
-        while True:
-            self._check_open()
-            try:
-                while len(out) < max_msgs:
-                    msg = self._recv_now()
-                    out.append(msg)
-                    if budget >= 0:
-                        budget -= sum(map(len, msg))
-                        if budget <= 0:
-                            break
-            except zmq.Again:
-                if not out:
-                    await self._wait(_POLLIN)
-                    continue
-            self._kick()
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return out
+        return await self._drain(self._recv_now, _frames_of_message, max_msgs, max_bytes)
 
     async def recv_batch_from(
         self, max_msgs: int = 256, max_bytes: int | None = None
@@ -236,19 +227,31 @@ class TrioSocket:
         """:meth:`recv_batch` for a CURVE server socket: every message with its
         sender's ``User-Id`` (what the ZAP handler set: the client's Z85 public key;
         ``""`` when the message has none, e.g. on a socket without a ZAP handler)."""
+        return await self._drain(self._recv_from_now, _frames_of_sent, max_msgs, max_bytes)
+
+    async def _drain(
+        self,
+        receive: Callable[[], _M],
+        frames_of: Callable[[_M], list[bytes]],
+        max_msgs: int,
+        max_bytes: int | None,
+    ) -> list[_M]:
+        """Take what ``receive`` returns until the socket is empty (at least one) or
+        ``max_msgs`` / ``max_bytes`` is reached; ``frames_of`` gives a taken item's
+        frames for the byte count."""
         if max_msgs < 1:
             raise ValueError(f"max_msgs must be at least 1, got {max_msgs}")
         await trio.lowlevel.checkpoint_if_cancelled()
-        out: list[tuple[list[bytes], str]] = []
+        out: list[_M] = []
         budget = max_bytes if max_bytes is not None else -1
         while True:
             self._check_open()
             try:
                 while len(out) < max_msgs:
-                    message = self._recv_from_now()
-                    out.append(message)
+                    item = receive()
+                    out.append(item)
                     if budget >= 0:
-                        budget -= sum(map(len, message[0]))
+                        budget -= sum(map(len, frames_of(item)))
                         if budget <= 0:
                             break
             except zmq.Again:
