@@ -43,6 +43,7 @@ from tspd.core.commands import (
     Failed,
     FetchParallelInfo,
     FetchRankInfo,
+    PagesReleased,
     RemotePrefillDone,
     SendFrames,
 )
@@ -430,7 +431,7 @@ class DecodeInstance:
         for rank in ranks:
             self.pump(rank, rooms, wake=False)
         for index, event in enumerate(events[0]):
-            if type(event).__name__ == "PagesReleased":
+            if isinstance(event, PagesReleased):
                 self._pages_released(event.rid)
                 continue
             request = self.requests.get(event.rid)
