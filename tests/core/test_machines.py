@@ -13,12 +13,17 @@ from tspd.core.machines import (
     PREFILL_ADDRESS_HEALTH_TABLE,
     PREFILL_ROOM,
     PREFILL_ROOM_TABLE,
+    REQUEST,
+    REQUEST_TABLE,
     CompiledMachine,
     DecodeTrigger,
     MachineDeclaration,
     PrefillTrigger,
+    RequestState,
+    RequestTrigger,
     RoomState,
     compile_machine,
+    fire_request,
 )
 from tspd.core.poll import TransferPoll
 
@@ -26,10 +31,13 @@ MACHINES = [
     pytest.param(PREFILL_ROOM, PREFILL_ROOM_TABLE, id="prefill-room"),
     pytest.param(DECODE_ROOM, DECODE_ROOM_TABLE, id="decode-room"),
     pytest.param(PREFILL_ADDRESS_HEALTH, PREFILL_ADDRESS_HEALTH_TABLE, id="address-health"),
+    pytest.param(REQUEST, REQUEST_TABLE, id="request"),
 ]
 ROOM_MACHINES = MACHINES[:2]
 
 _NOT_ALLOWED = "not allowed"
+#: The triggers that end a room (→ ``Absent``): the only way out of ``Failed``.
+_ENDINGS = frozenset({"forget", "ttl_expired"})
 
 
 class _Model:
@@ -69,11 +77,11 @@ def test_every_state_trigger_pair_matches_transitions(
 
 
 @pytest.mark.parametrize(("declaration", "table"), ROOM_MACHINES)
-def test_failed_is_sticky_and_only_forget_ends_it(
+def test_failed_is_sticky_and_only_an_ending_ends_it(
     declaration: MachineDeclaration, table: CompiledMachine
 ) -> None:
     for trigger in declaration.triggers:
-        expected = RoomState.ABSENT if trigger == "forget" else RoomState.FAILED
+        expected = RoomState.ABSENT if trigger in _ENDINGS else RoomState.FAILED
         assert table.fire(RoomState.FAILED, trigger) == expected
 
 
@@ -82,7 +90,7 @@ def test_progress_is_monotonic_outside_failure_and_forget(
     declaration: MachineDeclaration, table: CompiledMachine
 ) -> None:
     for (source, trigger), dest in table.table.items():
-        if trigger == "forget" or RoomState(dest) is RoomState.FAILED:
+        if trigger in _ENDINGS or RoomState(dest) is RoomState.FAILED:
             continue
         before, after = RoomState(source).poll, RoomState(dest).poll
         if before is None:
@@ -131,6 +139,44 @@ def test_decode_room_happy_path() -> None:
     ]:
         state = DECODE_ROOM_TABLE.fire(state, trigger)
         assert state == expected
+
+
+def test_a_timeout_concludes_the_request_failed_and_leaves_the_room_alone() -> None:
+    """The machines say how a timeout ends a request: the room tables have no
+    timeout trigger (its status is unchanged, peers may still report it); the
+    request machine moves the request to ``Failed``, and the group's agreement
+    then fails the room (``fail``) and forgets it."""
+    for table in (PREFILL_ROOM_TABLE, DECODE_ROOM_TABLE):
+        assert not any("timeout" in trigger for trigger in table.triggers)
+    for timeout in (RequestTrigger.BOOTSTRAP_TIMEOUT, RequestTrigger.WAITING_TIMEOUT):
+        for state in (RequestState.REGISTERED, RequestState.ANNOUNCED):
+            assert fire_request(state, timeout) is RequestState.FAILED
+        assert not REQUEST_TABLE.allowed(RequestState.SUCCEEDED, timeout)
+    assert fire_request(RequestState.FAILED, RequestTrigger.GROUP_FAILED) is RequestState.ABSENT
+    assert not REQUEST_TABLE.allowed(RequestState.FAILED, RequestTrigger.GROUP_SUCCEEDED)
+
+
+def test_request_happy_paths() -> None:
+    state = RequestState.ABSENT
+    for trigger, expected in [
+        (RequestTrigger.REGISTER, RequestState.REGISTERED),
+        (RequestTrigger.ANNOUNCE, RequestState.ANNOUNCED),
+        (RequestTrigger.ROOM_SUCCEEDED, RequestState.SUCCEEDED),
+        (RequestTrigger.GROUP_SUCCEEDED, RequestState.ABSENT),
+    ]:
+        state = fire_request(state, trigger)
+        assert state is expected
+    # A room that succeeds before the group announced it: the announcement first.
+    state = fire_request(RequestState.REGISTERED, RequestTrigger.ROOM_SUCCEEDED)
+    assert state is RequestState.SUCCEEDED_UNANNOUNCED
+    assert not REQUEST_TABLE.allowed(state, RequestTrigger.GROUP_SUCCEEDED)
+    assert fire_request(state, RequestTrigger.ANNOUNCE) is RequestState.SUCCEEDED
+
+
+def test_abort_and_ttl_expiry_are_transitions_of_the_prefill_room() -> None:
+    for state in PREFILL_ROOM.states:
+        assert PREFILL_ROOM_TABLE.fire(state, PrefillTrigger.ABORT) == RoomState.FAILED
+        assert PREFILL_ROOM_TABLE.fire(state, PrefillTrigger.TTL_EXPIRED) == RoomState.ABSENT
 
 
 def test_invalid_pair_raises_protocol_error_naming_machine_and_state() -> None:

@@ -24,6 +24,7 @@ from tspd.core.machines import (
     RoomState,
 )
 from tspd.core.poll import TransferPoll
+from tspd.core.reasons import Failure, ReasonClass
 from tspd.core.rooms import RoomClocks, RoomTable
 from tspd.testing.core_pair import CorePair
 from tspd.testing.layouts import simple_contract
@@ -40,9 +41,10 @@ def test_absent_room_polls_failed_and_is_ended() -> None:
 def test_first_failure_reason_wins_and_fail_reports_once() -> None:
     table = RoomTable(PREFILL_ROOM_TABLE)
     table.fire(1, PrefillTrigger.REGISTER)
-    assert table.fail(1, "first") is True
-    assert table.fail(1, "second") is False
-    assert table.failure(1) == "first"
+    first = Failure(ReasonClass.TRANSFER, "first")
+    assert table.fail(1, first) is True
+    assert table.fail(1, Failure(ReasonClass.ABORTED, "second")) is False
+    assert table.failure(1) == first
     assert table.status(1) is TransferPoll.FAILED
     table.forget(1)
     assert table.failure(1) is None
@@ -52,10 +54,11 @@ def test_first_failure_reason_wins_and_fail_reports_once() -> None:
 def test_timeout_reason_recorded_without_state_change_survives_later_abort() -> None:
     table = RoomTable(PREFILL_ROOM_TABLE)
     table.fire(3, PrefillTrigger.REGISTER)
-    assert table.record_failure(3, "timed out")
+    timed_out = Failure(ReasonClass.TIMEOUT_BOOTSTRAPPING, "timed out")
+    assert table.record_failure(3, timed_out)
     assert table.state(3) is RoomState.BOOTSTRAPPING
-    table.fail(3, "aborted")
-    assert table.failure(3) == "timed out"
+    table.fail(3, Failure(ReasonClass.ABORTED, "aborted"))
+    assert table.failure(3) == timed_out
 
 
 def test_invalid_trigger_leaves_state_unchanged() -> None:
@@ -69,7 +72,12 @@ def test_invalid_trigger_leaves_state_unchanged() -> None:
 
 def test_failed_before_any_state_then_forgotten_leaves_nothing() -> None:
     table = RoomTable(PREFILL_ROOM_TABLE)
-    table.fail(9, "EPD: prefill aborted request r (embedding receive timed out)")
+    table.fail(
+        9,
+        Failure(
+            ReasonClass.ABORTED, "EPD: prefill aborted request r (embedding receive timed out)"
+        ),
+    )
     assert 9 in table
     assert list(table.rooms()) == [9]
     table.forget(9)
@@ -91,7 +99,7 @@ def _table_machine(declaration: MachineDeclaration, compiled: CompiledMachine) -
             super().__init__()
             self.table = RoomTable(compiled)
             self.model: dict[int, RoomState] = {}
-            self.reasons: dict[int, str] = {}
+            self.reasons: dict[int, Failure] = {}
             self.counter = 0
 
         @rule(room=ROOMS, trigger=triggers)
@@ -103,7 +111,7 @@ def _table_machine(declaration: MachineDeclaration, compiled: CompiledMachine) -
                 assert self.table.state(room) is before
                 return
             after = self.table.fire(room, trigger)
-            if trigger == "forget":
+            if trigger in ("forget", "ttl_expired"):
                 assert after is RoomState.ABSENT
                 self.model.pop(room, None)
                 self.reasons.pop(room, None)
@@ -123,7 +131,7 @@ def _table_machine(declaration: MachineDeclaration, compiled: CompiledMachine) -
             if not compiled.allowed(self.table.state(room), "fail"):
                 return
             self.counter += 1
-            reason = f"reason {self.counter}"
+            reason = Failure(ReasonClass.OTHER, f"reason {self.counter}")
             was_failed = self.table.state(room) is RoomState.FAILED
             assert self.table.fail(room, reason) is (not was_failed)
             self.reasons.setdefault(room, reason)

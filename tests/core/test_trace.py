@@ -13,7 +13,8 @@ from tspd.core import wire
 from tspd.core.commands import Bootstrapped, Failed, RemotePrefillDone, Succeeded
 from tspd.core.errors import ConfigError
 from tspd.core.machines import RoomState
-from tspd.core.prefill import epd_abort_reason
+from tspd.core.poll import TransferPoll
+from tspd.core.reasons import Failure
 from tspd.core.trace import (
     Mark,
     Outcome,
@@ -22,7 +23,6 @@ from tspd.core.trace import (
     RoomTracer,
     Side,
     TraceConfig,
-    classify_failure,
 )
 from tspd.testing.core_pair import CorePair
 from tspd.testing.layouts import simple_contract
@@ -250,39 +250,35 @@ def test_decode_route_failures_are_incompatible_or_bootstrap() -> None:
 # --- classification -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("reason", "stage", "expected"),
-    [
-        (
-            "Request 1 timed out after 120.0s in TransferPoll.Bootstrapping",
-            None,
-            "timeout-bootstrapping",
-        ),
-        ("anything", "bootstrapping", "timeout-bootstrapping"),
-        ("anything", "waiting_for_input", "timeout-waiting"),
-        ("Request 1 timed out after 3.0s in TransferPoll.WaitingForInput", None, "timeout-waiting"),
-        ("Request 4 failed on another rank of the Prefill TP group", None, "replica"),
-        (epd_abort_reason("rid-1"), None, "aborted"),
-        ("CachePD transfer failed: Decode session 1.2.3.4:5 is not alive", None, "peer-dead"),
-        (
-            "CachePD transfer failed: Cache-transfer layerwise peer failed for room 5",
-            None,
-            "peer-dead",
-        ),
-        ("Losing connection with prefill instance (bootstrap_addr: h:1)", None, "peer-dead"),
-        ("Failed to get kvcache from prefill instance, it might be dead", None, "peer-failed"),
-        ("Decode session s registration rejected: bad layout", None, "registration"),
-        ("invalid pre-allocation metadata: duplicate", None, "preallocation"),
-        ("Could not fetch prefill parallel info from bootstrap_addr: h:1", None, "bootstrap"),
-        ("Paged cache decode connected to a non-Paged cache prefill", None, "incompatible"),
-        ("Received KV completion from an unexpected Prefill TP rank", None, "protocol"),
-        ("Prefill TP completion set disagrees with the transfer route", None, "protocol"),
-        ("CachePD transfer failed: Mooncake transfer failed for h:1: reset", None, "transfer"),
-        ("something new", None, "other"),
-    ],
-)
-def test_classify_failure(reason: str, stage: str | None, expected: str) -> None:
-    assert classify_failure(reason, stage) == ReasonClass(expected)
+def test_a_failure_carries_its_class_and_a_timeout_its_stage() -> None:
+    timeout = Failure(ReasonClass.TIMEOUT_WAITING, "Request 1 timed out after 3.0s in x")
+    assert timeout.timeout_stage == "waiting_for_input"
+    assert Failure(ReasonClass.TIMEOUT_BOOTSTRAPPING, "t").timeout_stage == "bootstrapping"
+    assert Failure(ReasonClass.TRANSFER, "CachePD transfer failed: x").timeout_stage is None
+    assert str(timeout) == timeout.message
+
+
+def test_rewording_a_message_does_not_reclassify_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The class is decided where the failure arises, never read back from the text:
+    the same failure with another message keeps its class on the trace."""
+    import tspd.core.decode as decode_core
+
+    reworded = Failure(ReasonClass.PEER_FAILED, "the Prefill said no (reworded)")
+    monkeypatch.setattr(decode_core, "_PREFILL_FAILED", reworded)
+    pair = CorePair([CONTRACT], [CONTRACT])
+    try:
+        _bootstrapped(pair, "b", 2)
+        pair.decode[0].receive_status(
+            wire.encode_status(
+                wire.StatusMessage(room=2, status=TransferPoll.FAILED, prefill_rank=0)
+            ),
+            pair.now,
+        )
+        trace = pair.decode[0].trace(2)
+        assert trace is not None
+        assert (trace.reason, trace.reason_class) == (reworded.message, ReasonClass.PEER_FAILED)
+    finally:
+        pair.close()
 
 
 # --- the tracer alone: bounds ---------------------------------------------------------
@@ -292,9 +288,11 @@ def test_tracer_keeps_each_mark_once_and_the_first_reason() -> None:
     tracer = RoomTracer(Side.DECODE, 2)
     tracer.mark(1, Mark.REGISTERED, 0.0, rid="x")
     tracer.mark(1, Mark.REGISTERED, 5.0, rid="y")
-    first = tracer.fail(1, "Received KV completion before its transfer route was registered", 1.0)
-    second = tracer.fail(1, "later", 2.0, reason_class=ReasonClass.ABORTED)
-    assert first is second is ReasonClass.PROTOCOL
+    first = Failure(
+        ReasonClass.PROTOCOL, "Received KV completion before its transfer route was registered"
+    )
+    assert tracer.fail(1, first, 1.0) is first
+    assert tracer.fail(1, Failure(ReasonClass.ABORTED, "later"), 2.0) == first
     trace = tracer.finish(1, RoomState.FAILED, Mark.CONCLUDED, 3.0)
     assert trace is not None
     assert trace.rid == "x"
@@ -307,7 +305,7 @@ def test_tracer_memory_is_bounded() -> None:
     tracer = RoomTracer(Side.PREFILL, 0, TraceConfig(keep=2, slow_after=1.0, pending=3))
     for room in range(5):
         tracer.mark(room, Mark.REGISTERED, 0.0)
-        tracer.fail(room, "x", 0.5)
+        tracer.fail(room, Failure(ReasonClass.OTHER, "x"), 0.5)
         tracer.finish(room, RoomState.FAILED, Mark.CONCLUDED, 0.5)
     assert [t.room for t in tracer.recent()] == [3, 4]
     assert tracer.trace(0) is None

@@ -35,6 +35,7 @@ from tspd.core.machines import (
     DECODE_ROOM,
     PREFILL_ADDRESS_HEALTH,
     PREFILL_ROOM,
+    REQUEST,
     MachineDeclaration,
 )
 
@@ -48,7 +49,12 @@ __all__ = [
     "svg_signature",
 ]
 
-DECLARATIONS: tuple[MachineDeclaration, ...] = (PREFILL_ROOM, DECODE_ROOM, PREFILL_ADDRESS_HEALTH)
+DECLARATIONS: tuple[MachineDeclaration, ...] = (
+    PREFILL_ROOM,
+    DECODE_ROOM,
+    REQUEST,
+    PREFILL_ADDRESS_HEALTH,
+)
 DEFAULT_DIR = Path("docs") / "state-machines"
 
 #: The comment Graphviz writes at the top of an SVG, naming its build.

@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass, field
 
 from tspd.core.copies import CopyPlan
-from tspd.core.trace import ReasonClass
+from tspd.core.reasons import ReasonClass
 
 __all__ = [
     "Bootstrapped",
@@ -159,8 +159,9 @@ class FetchRankInfo:
 class RoomFailed:
     """A room failed on this rank (emitted once per room). ``timeout_stage`` names
     the phase when a timeout caused it (``"bootstrapping"``, ``"waiting_for_input"``),
-    for the timeout metric; ``reason_class`` is the reason's class, for the
-    failure metric and the log line (:func:`tspd.core.trace.classify_failure`)."""
+    for the timeout metric; ``reason_class`` is the failure's class, typed where the
+    failure arose (:class:`~tspd.core.reasons.Failure`), for the failure metric and
+    the log line."""
 
     room: int
     reason: str

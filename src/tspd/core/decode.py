@@ -63,21 +63,33 @@ from tspd.core.machines import (
     AddressHealth,
     DecodeTrigger,
     HealthTrigger,
+    RequestState,
+    RequestTrigger,
     RoomState,
+    fire_request,
 )
 from tspd.core.manifest import BlockManifest, build_manifest, validate_manifest
 from tspd.core.planner import RoutePlanner
 from tspd.core.poll import FaultInjection, TransferPoll
+from tspd.core.reasons import Failure, ReasonClass
 from tspd.core.rooms import RoomClocks, RoomTable
 from tspd.core.topology import ParallelTopology
-from tspd.core.trace import Mark, ReasonClass, RoomTrace, RoomTracer, Side, TraceConfig
+from tspd.core.trace import Mark, RoomTrace, RoomTracer, Side, TraceConfig
 
 __all__ = ["DEAD_ROUTE_TIMEOUTS", "DecodeConfig", "DecodeCore"]
 
-_EARLY_COMPLETION = "Received KV completion before its transfer route was registered"
-_UNEXPECTED_RANK = "Received KV completion from an unexpected Prefill TP rank"
-_SET_MISMATCH = "Prefill TP completion set disagrees with the transfer route"
-_PREFILL_FAILED = "Failed to get kvcache from prefill instance, it might be dead"
+_EARLY_COMPLETION: Final = Failure(
+    ReasonClass.PROTOCOL, "Received KV completion before its transfer route was registered"
+)
+_UNEXPECTED_RANK: Final = Failure(
+    ReasonClass.PROTOCOL, "Received KV completion from an unexpected Prefill TP rank"
+)
+_SET_MISMATCH: Final = Failure(
+    ReasonClass.PROTOCOL, "Prefill TP completion set disagrees with the transfer route"
+)
+_PREFILL_FAILED: Final = Failure(
+    ReasonClass.PEER_FAILED, "Failed to get kvcache from prefill instance, it might be dead"
+)
 #: TransferPoll values as plain ints: the per-iteration poll and conclude compare
 #: these instead of building an enum per tracked request.
 _FAILED: Final = int(TransferPoll.FAILED)
@@ -87,6 +99,19 @@ _TRANSFERRING: Final = int(TransferPoll.TRANSFERRING)
 _SUCCESS: Final = int(TransferPoll.SUCCESS)
 #: Values that conclude a request on this rank.
 _CONCLUDING: Final = frozenset({_SUCCESS, _FAILED})
+#: The request trigger a concluding room value fires.
+_ROOM_CONCLUDED: Final = {
+    _SUCCESS: RequestTrigger.ROOM_SUCCEEDED,
+    _FAILED: RequestTrigger.ROOM_FAILED,
+}
+#: Request states whose poll value is fixed, and that value.
+_CONCLUDED_VALUE: Final = {
+    RequestState.SUCCEEDED_UNANNOUNCED: _SUCCESS,
+    RequestState.SUCCEEDED: _SUCCESS,
+    RequestState.FAILED: _FAILED,
+}
+#: Request states whose Bootstrapped event has not gone out.
+_UNANNOUNCED: Final = frozenset({RequestState.REGISTERED, RequestState.SUCCEEDED_UNANNOUNCED})
 #: Agreed values that announce ``Bootstrapped`` (once).
 _ANNOUNCING: Final = frozenset({_BOOTSTRAPPED, _WAITING_FOR_INPUT, _TRANSFERRING, _SUCCESS})
 #: Rooms still waiting for their KV: the waiting timeout applies to them.
@@ -180,11 +205,8 @@ class _Receiver:
     room: int
     addr: str
     started: float
-    #: Whether the scheduler got the request's ``Bootstrapped`` event.
-    announced: bool = False
-    #: The wire value this rank reports from now on (``Success`` or ``Failed``).
-    concluded: int | None = None
-    timeout_stage: str | None = None
+    #: Where the request is in its machine (:data:`~tspd.core.machines.REQUEST`).
+    state: RequestState = RequestState.REGISTERED
     #: This rank's pre-allocation went out: Prefill ranks may write its pages.
     preallocated: bool = False
     #: Prefill ranks that reported the room ended (Success or Failed).
@@ -227,6 +249,7 @@ class _Address:
     #: The route planner, or the reason planning against this address fails.
     planner: RoutePlanner | str
     health: AddressHealth = AddressHealth.HEALTHY
+    #: Heartbeat failures in a row: ``give_up`` fires when they reach the maximum.
     failures: int = 0
     #: Waiting timeouts in a row at this address, with no Success between them.
     timeouts: int = 0
@@ -316,7 +339,13 @@ class DecodeCore:
 
     def room_failure(self, room: int) -> str | None:
         """The room's first recorded failure reason."""
-        return self._rooms.failure(room)
+        failure = self._rooms.failure(room)
+        return None if failure is None else failure.message
+
+    def room_failure_class(self, room: int) -> ReasonClass | None:
+        """The class of the room's first recorded failure."""
+        failure = self._rooms.failure(room)
+        return None if failure is None else failure.cls
 
     def has_in_flight(self) -> bool:
         """Whether any request is tracked or any failed room's pages are held (the
@@ -370,32 +399,17 @@ class DecodeCore:
     def _fail(
         self,
         room: int,
-        reason: str,
+        failure: Failure,
         now: float,
-        trigger: str = DecodeTrigger.FAIL,
-        timeout_stage: str | None = None,
-        reason_class: ReasonClass | None = None,
+        trigger: DecodeTrigger = DecodeTrigger.FAIL,
     ) -> None:
         if self._rooms.state(room) is RoomState.ABSENT:
             return
-        newly = self._rooms.state(room) is not RoomState.FAILED
-        self._rooms.record_failure(room, reason)
-        self._rooms.fire(room, trigger)
+        newly = self._rooms.fail(room, failure, trigger)
         if newly and self._rooms.state(room) is RoomState.FAILED:
-            kept = self._rooms.failure(room) or reason
-            rid = self._rid_of_room.get(room)
-            if timeout_stage is None and rid is not None:
-                # A timeout recorded the first reason; the stage goes with it.
-                timeout_stage = self._receivers[rid].timeout_stage
-            cause = self._trace.fail(
-                room,
-                kept,
-                now,
-                timeout_stage=timeout_stage,
-                reason_class=reason_class if kept == reason else None,
-            )
+            kept = self._trace.fail(room, self._rooms.failure(room) or failure, now)
             # The RoomFailed command is the failure's one log line (tspd.log).
-            self._commands.append(RoomFailed(room, kept, timeout_stage, cause))
+            self._commands.append(RoomFailed(room, kept.message, kept.timeout_stage, kept.cls))
 
     def _forget(self, receiver: _Receiver, now: float) -> None:
         room = receiver.room
@@ -457,7 +471,11 @@ class DecodeCore:
             for room in waiting:
                 self._fail(
                     room,
-                    f"Could not fetch prefill parallel info from bootstrap_addr: {bootstrap_addr}",
+                    Failure(
+                        ReasonClass.BOOTSTRAP,
+                        f"Could not fetch prefill parallel info from bootstrap_addr: "
+                        f"{bootstrap_addr}",
+                    ),
                     now,
                 )
             return
@@ -490,14 +508,14 @@ class DecodeCore:
         address = self._addresses[bootstrap_addr]
         planner = address.planner
         if isinstance(planner, str):
-            self._fail(room, planner, now, reason_class=ReasonClass.INCOMPATIBLE)
+            self._fail(room, Failure(ReasonClass.INCOMPATIBLE, planner), now)
             return
         rank = self.config.tp_rank
         try:
             expected = planner.expected_prefill_ranks(rank)
             targets = planner.target_tp_ranks(rank)
         except TspdError as err:
-            self._fail(room, str(err), now, reason_class=ReasonClass.INCOMPATIBLE)
+            self._fail(room, Failure(ReasonClass.INCOMPATIBLE, str(err)), now)
             return
         route = _Route(room % address.info.dp_size, targets, expected)
         self._routes[room] = route
@@ -534,8 +552,11 @@ class DecodeCore:
             for room in waiting:
                 self._fail(
                     room,
-                    f"Could not fetch bootstrap info for engine rank: {engine_rank} and "
-                    f"target_dp_group: {dp_group}",
+                    Failure(
+                        ReasonClass.BOOTSTRAP,
+                        f"Could not fetch bootstrap info for engine rank: {engine_rank} and "
+                        f"target_dp_group: {dp_group}",
+                    ),
                     now,
                 )
             return
@@ -564,10 +585,11 @@ class DecodeCore:
             return
         bootstrap_addr, dp_group, engine_rank = key
         self._rank_infos[key] = info
-        reason = (
+        failure = Failure(
+            ReasonClass.PEER_DEAD,
             f"Prefill rank {engine_rank} (DP group {dp_group}) of {bootstrap_addr} restarted: "
             f"its control endpoint moved from {old.rank_ip}:{old.rank_port} to "
-            f"{info.rank_ip}:{info.rank_port}"
+            f"{info.rank_ip}:{info.rank_port}",
         )
         affected = 0
         for room in sorted(self._tracker.get(bootstrap_addr, ())):
@@ -580,10 +602,10 @@ class DecodeCore:
             ):
                 continue
             affected += 1
-            self._fail(
-                room, reason, now, DecodeTrigger.PREFILL_LOST, reason_class=ReasonClass.PEER_DEAD
-            )
-        self._log(LogLevel.WARNING, f"{reason}; registering again, {affected} requests failed")
+            self._fail(room, failure, now, DecodeTrigger.PREFILL_LOST)
+        self._log(
+            LogLevel.WARNING, f"{failure.message}; registering again, {affected} requests failed"
+        )
         self._registered.add(key)
         self._commands.append(SendFrames(info.rank_ip, info.rank_port, self._registration_frames))
 
@@ -640,7 +662,11 @@ class DecodeCore:
         except ProtocolError:
             raise
         except TspdError as err:
-            self._fail(room, f"invalid pre-allocation metadata: {err}", now)
+            self._fail(
+                room,
+                Failure(ReasonClass.PREALLOCATION, f"invalid pre-allocation metadata: {err}"),
+                now,
+            )
             return
         infos = [self._rank_infos.get((receiver.addr, route.dp_group, t)) for t in route.targets]
         if any(info is None for info in infos):
@@ -648,10 +674,12 @@ class DecodeCore:
             # pre-allocate with; the request fails and a retry routes afresh.
             self._fail(
                 room,
-                f"the cached route to Prefill {receiver.addr} was dropped before room "
-                f"{room} pre-allocated; retry the request",
+                Failure(
+                    ReasonClass.PEER_DEAD,
+                    f"the cached route to Prefill {receiver.addr} was dropped before room "
+                    f"{room} pre-allocated; retry the request",
+                ),
                 now,
-                reason_class=ReasonClass.PEER_DEAD,
             )
             return
         for target, info in zip(route.targets, infos, strict=True):
@@ -825,23 +853,24 @@ class DecodeCore:
         if address is None:
             return
         if ok:
-            address.health = AddressHealth(
-                PREFILL_ADDRESS_HEALTH_TABLE.fire(address.health, HealthTrigger.BEAT_OK)
-            )
             address.failures = 0
+            trigger = HealthTrigger.BEAT_OK
+        else:
+            address.failures += 1
+            trigger = (
+                HealthTrigger.GIVE_UP
+                if address.failures >= self.config.heartbeat_max_failures
+                else HealthTrigger.BEAT_FAILED
+            )
+        address.health = AddressHealth(PREFILL_ADDRESS_HEALTH_TABLE.fire(address.health, trigger))
+        # The machine's state decides what the outcome does.
+        if address.health is AddressHealth.HEALTHY:
             tracked = self._tracker.get(bootstrap_addr, set())
             tracked.intersection_update(r for r in list(tracked) if r in self._rid_of_room)
             self._refresh_routes(bootstrap_addr)
             self._register_again(bootstrap_addr)
-            return
-        address.failures += 1
-        if address.failures < self.config.heartbeat_max_failures:
-            address.health = AddressHealth(
-                PREFILL_ADDRESS_HEALTH_TABLE.fire(address.health, HealthTrigger.BEAT_FAILED)
-            )
-            return
-        PREFILL_ADDRESS_HEALTH_TABLE.fire(address.health, HealthTrigger.GIVE_UP)
-        self._drop_address(bootstrap_addr, now)
+        elif address.health is AddressHealth.DEAD:
+            self._drop_address(bootstrap_addr, now)
 
     def _refresh_routes(self, bootstrap_addr: str) -> None:
         """Fetch the address's cached rank infos again, so a Prefill rank that
@@ -876,14 +905,17 @@ class DecodeCore:
     def _drop_address(self, bootstrap_addr: str, now: float) -> None:
         self._forget_routes(bootstrap_addr)
         rooms = sorted(self._tracker.pop(bootstrap_addr, set()))
-        reason = f"Losing connection with prefill instance (bootstrap_addr: {bootstrap_addr})"
+        failure = Failure(
+            ReasonClass.PEER_DEAD,
+            f"Losing connection with prefill instance (bootstrap_addr: {bootstrap_addr})",
+        )
         affected = 0
         for room in rooms:
             if self._rooms.state(room) in (RoomState.SUCCESS, RoomState.ABSENT):
                 continue
             affected += 1
-            self._fail(room, reason, now, DecodeTrigger.PREFILL_LOST)
-        self._log(LogLevel.ERROR, f"{reason}, affected {affected} requests")
+            self._fail(room, failure, now, DecodeTrigger.PREFILL_LOST)
+        self._log(LogLevel.ERROR, f"{failure.message}, affected {affected} requests")
         live = [r for r in rooms if r in self._rid_of_room]
         if live:
             # Requests still tracked keep their address entry until they end.
@@ -896,7 +928,7 @@ class DecodeCore:
         since = self._waiting_since.get(room)
         if (
             since is None
-            or receiver.concluded is not None
+            or receiver.state in _CONCLUDED_VALUE
             or self._rooms.state(room) not in _WAITING_STATES
             or now - since < self.config.waiting_timeout
         ):
@@ -907,10 +939,10 @@ class DecodeCore:
         # TokenSpeed's wording; a room a Prefill rank reported Transferring names that.
         status = self._rooms.state(room).poll or TransferPoll.WAITING_FOR_INPUT
         reason = f"Request {room} timed out after {now - since:.1f}s in {status.label}"
-        self._rooms.record_failure(room, reason)
-        self._rooms.fire(room, DecodeTrigger.WAITING_TIMEOUT)
-        receiver.timeout_stage = "waiting_for_input"
-        receiver.concluded = _FAILED
+        # The request concludes Failed; the room's status is left alone until the
+        # group's agreement fails it (docs/protocol.md#proto-decode-room-table).
+        self._rooms.record_failure(room, Failure(ReasonClass.TIMEOUT_WAITING, reason))
+        receiver.state = fire_request(receiver.state, RequestTrigger.WAITING_TIMEOUT)
         address = self._addresses.get(receiver.addr)
         if address is not None:
             address.timeouts += 1
@@ -945,18 +977,18 @@ class DecodeCore:
         append = values.append
         value_of = self._rooms.wire_values.get
         # Locals, not globals or enum members, inside the per-request loop.
-        concluding, failed = _CONCLUDING, _FAILED
+        concluding, failed, fixed = _CONCLUDING, _FAILED, _CONCLUDED_VALUE.get
         for receiver in self._receivers.values():
-            value = receiver.concluded
+            value = fixed(receiver.state)
             if value is None:
                 value = value_of(receiver.room, failed)
                 if value in concluding:
-                    receiver.concluded = value
+                    receiver.state = fire_request(receiver.state, _ROOM_CONCLUDED[value])
                 elif self._faults is not None and self._faults.fires():
                     room = receiver.room
-                    reason = self._faults.reason(room)
-                    self._fail(room, reason, now, reason_class=ReasonClass.INJECTED)
-                    receiver.concluded = value = failed
+                    self._fail(room, Failure(ReasonClass.INJECTED, self._faults.reason(room)), now)
+                    receiver.state = fire_request(receiver.state, RequestTrigger.FAULT_INJECTED)
+                    value = failed
             append(value)
         # Then, per request, whether this rank's pages may still be written if it
         # fails (0) or not (1): the MIN holds them when any rank's may be.
@@ -986,14 +1018,15 @@ class DecodeCore:
         agreed = agreed[:count]
         # Plain ints in locals: no enum is built or looked up per request. A value
         # that is not a live TransferPoll reads as Failed, as from_wire would say.
-        live, announcing, success = _LIVE, _ANNOUNCING, _SUCCESS
+        live, announcing, success, unannounced = _LIVE, _ANNOUNCING, _SUCCESS, _UNANNOUNCED
         for index, (receiver, value) in enumerate(zip(receivers, agreed, strict=True)):
             if value in live:
-                if not receiver.announced:
+                if receiver.state in unannounced:
                     if value in announcing:
-                        receiver.announced = True
+                        receiver.state = fire_request(receiver.state, RequestTrigger.ANNOUNCE)
                         events.append(Bootstrapped(receiver.rid))
                 elif value == success:
+                    receiver.state = fire_request(receiver.state, RequestTrigger.GROUP_SUCCEEDED)
                     events.append(self._prefill_done(receiver))
                     self._forget(receiver, now)
             else:
@@ -1001,11 +1034,16 @@ class DecodeCore:
                 if self._rooms.state(room) is not RoomState.FAILED:
                     self._fail(
                         room,
-                        f"Request {room} failed on another rank of the Decode TP group",
+                        self._rooms.failure(room)
+                        or Failure(
+                            ReasonClass.REPLICA,
+                            f"Request {room} failed on another rank of the Decode TP group",
+                        ),
                         now,
-                        timeout_stage=receiver.timeout_stage,
                     )
-                reason = self._rooms.failure(room) or f"Request {room} failed"
+                failure = self._rooms.failure(room)
+                reason = f"Request {room} failed" if failure is None else failure.message
+                receiver.state = fire_request(receiver.state, RequestTrigger.GROUP_FAILED)
                 # Some rank of the group may still have its pages written.
                 pages_held = free[index] == 0
                 events.append(Failed(receiver.rid, reason, pages_held))

@@ -17,14 +17,22 @@ Machines:
   (docs/protocol.md#proto-prefill-room-table).
 * :data:`DECODE_ROOM` — one room on one Decode rank
   (docs/protocol.md#proto-decode-room-table).
+* :data:`REQUEST` — one request a scheduler tracks on one rank, either side: how
+  this rank's value for it concludes (room outcome, bootstrap or waiting timeout,
+  injected fault) and how the group's agreed value ends it
+  (docs/protocol.md#proto-prefill-poll, docs/protocol.md#proto-decode-poll).
 * :data:`PREFILL_ADDRESS_HEALTH` — a Decode rank's view of one Prefill bootstrap
-  address, driven by heartbeats (docs/protocol.md#proto-failure-prefill-death).
+  address, driven by heartbeats (docs/protocol.md#proto-failure-prefill-death);
+  reaching ``dead`` is what fails the address's rooms.
 
 Room rules kept by the tables: ``Failed`` is sticky (every trigger from ``Failed``
-stays ``Failed``, except ``forget``, which ends the room); other progress is
-monotonic (no trigger moves a room back to an earlier status); a terminal room is
-forgotten (``forget`` → ``Absent``, i.e. no entry at all). A (state, trigger) pair
-missing from a table is a driver bug and raises :class:`~tspd.core.errors.ProtocolError`.
+stays ``Failed``, except those that end the room: ``forget``, and on Prefill
+``ttl_expired``); other progress is monotonic (no trigger moves a room back to an
+earlier status); a terminal room is forgotten (→ ``Absent``, i.e. no entry at all).
+A timeout does not change a room's status (its peers may still report it): it
+concludes the *request* ``Failed`` (:data:`REQUEST`), and the conclusion fails the
+room. A (state, trigger) pair missing from a table is a driver bug and raises
+:class:`~tspd.core.errors.ProtocolError`.
 """
 
 from __future__ import annotations
@@ -45,14 +53,19 @@ __all__ = [
     "PREFILL_ADDRESS_HEALTH_TABLE",
     "PREFILL_ROOM",
     "PREFILL_ROOM_TABLE",
+    "REQUEST",
+    "REQUEST_TABLE",
     "AddressHealth",
     "CompiledMachine",
     "DecodeTrigger",
     "HealthTrigger",
     "MachineDeclaration",
     "PrefillTrigger",
+    "RequestState",
+    "RequestTrigger",
     "RoomState",
     "compile_machine",
+    "fire_request",
 ]
 
 
@@ -103,13 +116,18 @@ class PrefillTrigger(enum.StrEnum):
     FANOUT_COMPLETE = "fanout_complete"
     #: Every write of the room is done and its destinations were told.
     TRANSFER_SUCCEEDED = "transfer_succeeded"
-    #: Abort, transfer failure, rejected session or invalid pre-allocation.
+    #: A transfer failure, a rejected or dead session, an invalid pre-allocation, or
+    #: the group concluding the request ``Failed`` (another rank failed it, or its
+    #: bootstrap timeout fired: :data:`REQUEST`).
     FAIL = "fail"
-    #: The poll saw the request bootstrapping for longer than the bootstrap timeout:
-    #: the request concludes ``Failed`` but the room's status is left alone.
-    BOOTSTRAP_TIMEOUT = "bootstrap_timeout"
-    #: The room ended (terminal event processed, or unclaimed past its TTL).
+    #: The scheduler aborted the room (EPD give-up, explicit abort).
+    ABORT = "abort"
+    #: The room's request ended and its final event was processed.
     FORGET = "forget"
+    #: No request on this rank claimed the room within the unclaimed-room TTL (the
+    #: bootstrap timeout), or the unclaimed table was full: it is dropped, its
+    #: destinations told ``Failed`` unless the room had failed.
+    TTL_EXPIRED = "ttl_expired"
 
 
 class DecodeTrigger(enum.StrEnum):
@@ -136,12 +154,56 @@ class DecodeTrigger(enum.StrEnum):
     COMPLETED = "completed"
     #: Any failure with a reason (bootstrap fetches, planning, status, wrong rank...).
     FAIL = "fail"
-    #: The heartbeat declared the room's Prefill address dead.
+    #: The room's Prefill address died (:data:`PREFILL_ADDRESS_HEALTH` reached
+    #: ``dead``), or the Prefill rank restarted (its control endpoint moved).
     PREFILL_LOST = "prefill_lost"
-    #: The poll saw the request waiting for input longer than the waiting timeout.
-    WAITING_TIMEOUT = "waiting_timeout"
     #: The room ended (terminal event processed).
     FORGET = "forget"
+
+
+class RequestState(enum.StrEnum):
+    """A tracked request on one rank, either side (:data:`REQUEST`). While
+    ``Registered`` or ``Announced`` the rank's poll value follows the room's status;
+    from ``SucceededUnannounced``, ``Succeeded`` or ``Failed`` on it is fixed."""
+
+    ABSENT = "Absent"
+    #: Tracked; the scheduler has not had its ``Bootstrapped`` event yet.
+    REGISTERED = "Registered"
+    #: The scheduler had its ``Bootstrapped`` event.
+    ANNOUNCED = "Announced"
+    #: This rank concluded ``Success`` before the group announced ``Bootstrapped``:
+    #: the announcement comes first, ``Success`` on a later poll.
+    SUCCEEDED_UNANNOUNCED = "SucceededUnannounced"
+    #: This rank concluded ``Success``; the group's agreement ends the request.
+    SUCCEEDED = "Succeeded"
+    #: This rank concluded ``Failed``; the group's MIN fails it at the next poll.
+    FAILED = "Failed"
+
+
+class RequestTrigger(enum.StrEnum):
+    """What happens to a tracked request (docs/protocol.md#proto-prefill-poll,
+    docs/protocol.md#proto-decode-poll)."""
+
+    #: The scheduler registered the request on this rank.
+    REGISTER = "register"
+    #: The group's agreed value is ``Bootstrapped`` or later: ``Bootstrapped`` event.
+    ANNOUNCE = "announce"
+    #: The poll saw the room ``Success``.
+    ROOM_SUCCEEDED = "room_succeeded"
+    #: The poll saw the room ``Failed`` (or gone).
+    ROOM_FAILED = "room_failed"
+    #: Prefill: the room was still ``Bootstrapping`` a bootstrap timeout after the
+    #: request was registered.
+    BOOTSTRAP_TIMEOUT = "bootstrap_timeout"
+    #: Decode: the room was still ``WaitingForInput``/``Transferring`` a waiting
+    #: timeout after its pre-allocation.
+    WAITING_TIMEOUT = "waiting_timeout"
+    #: Poll-time fault injection (tests only) failed the request.
+    FAULT_INJECTED = "fault_injected"
+    #: The group agreed ``Success``: ``Succeeded``/``RemotePrefillDone`` event, forgotten.
+    GROUP_SUCCEEDED = "group_succeeded"
+    #: The group agreed ``Failed`` (any rank failed it): ``Failed`` event, forgotten.
+    GROUP_FAILED = "group_failed"
 
 
 class AddressHealth(enum.StrEnum):
@@ -298,8 +360,9 @@ PREFILL_ROOM: Final[MachineDeclaration] = _declare(
         _P.TRANSFER_SUCCEEDED: {_S.BOOTSTRAPPED: _S.SUCCESS, _S.FAILED: _S.FAILED},
         # Failed always wins, even over Success, and even before any state.
         _P.FAIL: {s: _S.FAILED for s in (_S.ABSENT, *_PREFILL_KNOWN)},
-        _P.BOOTSTRAP_TIMEOUT: {_S.BOOTSTRAPPING: _S.BOOTSTRAPPING, _S.FAILED: _S.FAILED},
+        _P.ABORT: {s: _S.FAILED for s in (_S.ABSENT, *_PREFILL_KNOWN)},
         _P.FORGET: {s: _S.ABSENT for s in (_S.ABSENT, *_PREFILL_KNOWN)},
+        _P.TTL_EXPIRED: {s: _S.ABSENT for s in (_S.ABSENT, *_PREFILL_KNOWN)},
     },
 )
 
@@ -343,13 +406,42 @@ DECODE_ROOM: Final[MachineDeclaration] = _declare(
             _S.SUCCESS: _S.SUCCESS,
             _S.FAILED: _S.FAILED,
         },
-        # A room still waiting for its KV (reported Transferring or not) times out.
-        _D.WAITING_TIMEOUT: {
-            _S.WAITING_FOR_INPUT: _S.WAITING_FOR_INPUT,
-            _S.TRANSFERRING: _S.TRANSFERRING,
-            _S.FAILED: _S.FAILED,
-        },
         _D.FORGET: {s: _S.ABSENT for s in (_S.ABSENT, *_KNOWN)},
+    },
+)
+
+_R = RequestState
+_Q = RequestTrigger
+_OPEN: Final = (_R.REGISTERED, _R.ANNOUNCED)
+
+#: A tracked request on one rank, either side (docs/protocol.md#proto-prefill-poll,
+#: docs/protocol.md#proto-decode-poll). Every poll, each rank computes a value per
+#: request (the room's status while open, the concluded value after) and the group
+#: agrees on the element-wise MIN; ``conclude`` fires ``announce``,
+#: ``group_succeeded`` or ``group_failed`` from the agreed value. A MIN can be
+#: ``Success`` only when every rank concluded ``Success``, so ``group_succeeded``
+#: comes only from ``Succeeded``; any rank's ``Failed`` ends every rank's request.
+REQUEST: Final[MachineDeclaration] = _declare(
+    "Request",
+    RequestState,
+    _R.ABSENT,
+    RequestTrigger,
+    {
+        _Q.REGISTER: {_R.ABSENT: _R.REGISTERED},
+        _Q.ANNOUNCE: {
+            _R.REGISTERED: _R.ANNOUNCED,
+            _R.SUCCEEDED_UNANNOUNCED: _R.SUCCEEDED,
+        },
+        _Q.ROOM_SUCCEEDED: {
+            _R.REGISTERED: _R.SUCCEEDED_UNANNOUNCED,
+            _R.ANNOUNCED: _R.SUCCEEDED,
+        },
+        _Q.ROOM_FAILED: {s: _R.FAILED for s in _OPEN},
+        _Q.BOOTSTRAP_TIMEOUT: {s: _R.FAILED for s in _OPEN},
+        _Q.WAITING_TIMEOUT: {s: _R.FAILED for s in _OPEN},
+        _Q.FAULT_INJECTED: {s: _R.FAILED for s in _OPEN},
+        _Q.GROUP_SUCCEEDED: {_R.SUCCEEDED: _R.ABSENT},
+        _Q.GROUP_FAILED: {s: _R.ABSENT for s in RequestState if s is not _R.ABSENT},
     },
 )
 
@@ -358,8 +450,11 @@ _T = HealthTrigger
 
 #: A Prefill bootstrap address seen from a Decode rank's heartbeat
 #: (docs/protocol.md#proto-failure-prefill-death).
-#: ``dead`` is terminal: the address's cached info and room tracker are dropped,
-#: and the next request for it starts a fresh, ``healthy`` entry.
+#: ``give_up`` fires on the ``heartbeat_max_failures``-th failure in a row
+#: (``TOKENSPEED_PD_HEARTBEAT_MAX_FAILURES``). ``dead`` is terminal and is what
+#: fails the address's rooms not yet ``Success`` (``prefill_lost`` on
+#: :data:`DECODE_ROOM`): its cached info, routes and registrations are dropped, and
+#: the next request for it starts a fresh, ``healthy`` entry.
 PREFILL_ADDRESS_HEALTH: Final[MachineDeclaration] = _declare(
     "PrefillAddressHealth",
     AddressHealth,
@@ -375,3 +470,18 @@ PREFILL_ADDRESS_HEALTH: Final[MachineDeclaration] = _declare(
 PREFILL_ROOM_TABLE: Final[CompiledMachine] = compile_machine(PREFILL_ROOM)
 DECODE_ROOM_TABLE: Final[CompiledMachine] = compile_machine(DECODE_ROOM)
 PREFILL_ADDRESS_HEALTH_TABLE: Final[CompiledMachine] = compile_machine(PREFILL_ADDRESS_HEALTH)
+REQUEST_TABLE: Final[CompiledMachine] = compile_machine(REQUEST)
+
+#: :data:`REQUEST_TABLE` with its destinations as members, for the per-request loops.
+_REQUEST_NEXT: Final[Mapping[tuple[str, str], RequestState]] = MappingProxyType(
+    {key: RequestState(dest) for key, dest in REQUEST_TABLE.table.items()}
+)
+
+
+def fire_request(state: RequestState, trigger: RequestTrigger) -> RequestState:
+    """The state ``trigger`` moves a tracked request to (:data:`REQUEST`); raises
+    :class:`ProtocolError` for a pair the machine does not allow."""
+    new = _REQUEST_NEXT.get((state, trigger))
+    if new is None:
+        return RequestState(REQUEST_TABLE.fire(state, trigger))
+    return new

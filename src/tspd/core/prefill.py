@@ -69,7 +69,14 @@ from tspd.core.config import check_rank_config, parse_pd_env
 from tspd.core.contract import CacheContract, check_local_contract
 from tspd.core.copies import plan_steps
 from tspd.core.errors import ConfigError, PlanError, ProtocolError, TspdError
-from tspd.core.machines import PREFILL_ROOM_TABLE, PrefillTrigger, RoomState
+from tspd.core.machines import (
+    PREFILL_ROOM_TABLE,
+    PrefillTrigger,
+    RequestState,
+    RequestTrigger,
+    RoomState,
+    fire_request,
+)
 from tspd.core.manifest import (
     BlockManifest,
     Selection,
@@ -80,10 +87,11 @@ from tspd.core.manifest import (
 )
 from tspd.core.planner import PlannedRegistration, plan_registration, validate_fanout
 from tspd.core.poll import FaultInjection, TransferPoll
+from tspd.core.reasons import Failure, ReasonClass
 from tspd.core.rooms import RoomClocks, RoomTable
 from tspd.core.schedule import ProducerSchedule, StepReservation, interval_targets
 from tspd.core.topology import ParallelTopology
-from tspd.core.trace import Mark, ReasonClass, RoomTrace, RoomTracer, Side, TraceConfig
+from tspd.core.trace import Mark, RoomTrace, RoomTracer, Side, TraceConfig
 
 __all__ = [
     "BOOTSTRAP_STALL_S",
@@ -138,6 +146,19 @@ _BOOTSTRAPPED: Final = int(TransferPoll.BOOTSTRAPPED)
 _SUCCESS: Final = int(TransferPoll.SUCCESS)
 #: Values that conclude a request on this rank.
 _CONCLUDING: Final = frozenset({_SUCCESS, _FAILED})
+#: The request trigger a concluding room value fires.
+_ROOM_CONCLUDED: Final = {
+    _SUCCESS: RequestTrigger.ROOM_SUCCEEDED,
+    _FAILED: RequestTrigger.ROOM_FAILED,
+}
+#: Request states whose poll value is fixed, and that value.
+_CONCLUDED_VALUE: Final = {
+    RequestState.SUCCEEDED_UNANNOUNCED: _SUCCESS,
+    RequestState.SUCCEEDED: _SUCCESS,
+    RequestState.FAILED: _FAILED,
+}
+#: Request states whose Bootstrapped event has not gone out.
+_UNANNOUNCED: Final = frozenset({RequestState.REGISTERED, RequestState.SUCCEEDED_UNANNOUNCED})
 #: Agreed values that announce ``Bootstrapped`` (once) or, later, succeed.
 _ANNOUNCING: Final = frozenset({_BOOTSTRAPPED, _SUCCESS})
 #: Agreed values that are not ``Failed``: anything else (unknown values too) is.
@@ -281,12 +302,8 @@ class _Sender:
     rid: str
     room: int
     started: float
-    #: Whether the scheduler got the request's ``Bootstrapped`` event.
-    announced: bool = False
-    #: The wire value this rank reports from now on (``Success`` or ``Failed``).
-    concluded: int | None = None
-    #: Set when this rank's bootstrap timeout concluded the request.
-    timeout_stage: str | None = None
+    #: Where the request is in its machine (:data:`~tspd.core.machines.REQUEST`).
+    state: RequestState = RequestState.REGISTERED
 
 
 @dataclass(slots=True)
@@ -421,7 +438,13 @@ class PrefillCore:
 
     def room_failure(self, room: int) -> str | None:
         """The room's first recorded failure reason."""
-        return self._rooms.failure(room)
+        failure = self._rooms.failure(room)
+        return None if failure is None else failure.message
+
+    def room_failure_class(self, room: int) -> ReasonClass | None:
+        """The class of the room's first recorded failure."""
+        failure = self._rooms.failure(room)
+        return None if failure is None else failure.cls
 
     def room_active(self, room: int) -> bool:
         """Whether writes for the room may still go out (it is neither absent nor
@@ -511,12 +534,14 @@ class PrefillCore:
                     )
                     self._drop_unclaimed(oldest, now)
 
-    def _forget_room(self, room: int, mark: Mark, now: float) -> None:
+    def _forget_room(
+        self, room: int, mark: Mark, now: float, trigger: PrefillTrigger = PrefillTrigger.FORGET
+    ) -> None:
         state = self._rooms.state(room)
         if state is RoomState.FAILED:
             self._remember_failed(room, now)
         self._trace.finish(room, state, mark, now)
-        self._rooms.forget(room)
+        self._rooms.forget(room, trigger)
         self._per_room.clear(room)
 
     def _remember_failed(self, room: int, now: float) -> None:
@@ -541,25 +566,16 @@ class PrefillCore:
     def _abort_room(
         self,
         room: int,
-        reason: str,
+        failure: Failure,
         now: float,
-        timeout_stage: str | None = None,
-        reason_class: ReasonClass | None = None,
+        trigger: PrefillTrigger = PrefillTrigger.FAIL,
     ) -> None:
-        """Fail the room (first reason wins) and tell every non-dummy destination that
-        pre-allocated for it; its destinations are dropped. ``reason_class`` is given
-        when the caller knows the cause better than the reason's text says."""
-        if self._rooms.fail(room, reason):
-            kept = self._rooms.failure(room) or reason
-            cause = self._trace.fail(
-                room,
-                kept,
-                now,
-                timeout_stage=timeout_stage,
-                reason_class=reason_class if kept == reason else None,
-            )
+        """Fail the room (the first failure wins) and tell every non-dummy destination
+        that pre-allocated for it; its destinations are dropped."""
+        if self._rooms.fail(room, failure, trigger):
+            kept = self._trace.fail(room, self._rooms.failure(room) or failure, now)
             # The RoomFailed command is the failure's one log line (tspd.log).
-            self._commands.append(RoomFailed(room, kept, timeout_stage, cause))
+            self._commands.append(RoomFailed(room, kept.message, kept.timeout_stage, kept.cls))
         self._touch(room, now)
         self._per_room.in_flight.discard(room)
         self._per_room.written.discard(room)
@@ -747,7 +763,12 @@ class PrefillCore:
         ]
         for room in affected:
             self._abort_room(
-                room, f"Decode session {session_id} registration rejected: {reason}", now
+                room,
+                Failure(
+                    ReasonClass.REGISTRATION,
+                    f"Decode session {session_id} registration rejected: {reason}",
+                ),
+                now,
             )
         replaced = self._registrations.pop(session_id, None)
         self._proven.discard(session_id)
@@ -826,7 +847,11 @@ class PrefillCore:
                 f"rejecting CachePD pre-allocation of room {room} from session {session_id}: {err}",
                 room,
             )
-            self._abort_room(room, f"invalid pre-allocation metadata: {err}", now)
+            self._abort_room(
+                room,
+                Failure(ReasonClass.PREALLOCATION, f"invalid pre-allocation metadata: {err}"),
+                now,
+            )
             route = self._route_of(session_id)
             if route is None:
                 self._reject(
@@ -922,12 +947,13 @@ class PrefillCore:
         timeout = self.config.bootstrap_timeout
         # Locals, not globals or enum members, inside the per-request loop.
         concluding, failed, bootstrapping = _CONCLUDING, _FAILED, _BOOTSTRAPPING
+        fixed = _CONCLUDED_VALUE.get
         for sender in self._senders.values():
-            value = sender.concluded
+            value = fixed(sender.state)
             if value is None:
                 value = value_of(sender.room, failed)
                 if value in concluding:
-                    sender.concluded = value
+                    sender.state = fire_request(sender.state, _ROOM_CONCLUDED[value])
                 elif value == bootstrapping and now - sender.started >= timeout:
                     self._bootstrap_timed_out(sender, now)
                     value = failed
@@ -939,11 +965,13 @@ class PrefillCore:
 
     def _inject_failure(self, sender: _Sender, now: float) -> None:
         assert self._faults is not None
-        reason = self._faults.reason(sender.room)
-        self._abort_room(sender.room, reason, now, reason_class=ReasonClass.INJECTED)
-        sender.concluded = _FAILED
+        failure = Failure(ReasonClass.INJECTED, self._faults.reason(sender.room))
+        self._abort_room(sender.room, failure, now)
+        sender.state = fire_request(sender.state, RequestTrigger.FAULT_INJECTED)
 
     def _bootstrap_timed_out(self, sender: _Sender, now: float) -> None:
+        """The request concludes ``Failed``; the room's status is left alone until
+        the group's agreement fails it (docs/protocol.md#proto-prefill-room-table)."""
         elapsed = now - sender.started
         reason = (
             f"Request {sender.room} timed out after {elapsed:.1f}s in "
@@ -952,10 +980,8 @@ class PrefillCore:
         if not self._timeout_warned:
             self._timeout_warned = True
             self._log(LogLevel.WARNING, _TIMEOUT_WARNING)
-        self._rooms.record_failure(sender.room, reason)
-        self._rooms.fire(sender.room, PrefillTrigger.BOOTSTRAP_TIMEOUT)
-        sender.timeout_stage = "bootstrapping"
-        sender.concluded = _FAILED
+        self._rooms.record_failure(sender.room, Failure(ReasonClass.TIMEOUT_BOOTSTRAPPING, reason))
+        sender.state = fire_request(sender.state, RequestTrigger.BOOTSTRAP_TIMEOUT)
 
     def conclude(self, agreed: Sequence[int], now: float) -> list[Event]:
         """Apply the group's agreed values (docs/protocol.md#proto-prefill-poll steps 3-4) and
@@ -978,14 +1004,16 @@ class PrefillCore:
         # Plain ints in locals: no enum is built or looked up per request. A value
         # that is not a live TransferPoll reads as Failed, as from_wire would say.
         announcing, live, success, bootstrapping = _ANNOUNCING, _LIVE, _SUCCESS, _BOOTSTRAPPING
+        unannounced = _UNANNOUNCED
         for sender, value in zip(senders, agreed, strict=True):
             if value in announcing:
-                if not sender.announced:
+                if sender.state in unannounced:
                     # A room may succeed before its Bootstrapped event went out: the
                     # event comes first, Succeeded on the next poll.
-                    sender.announced = True
+                    sender.state = fire_request(sender.state, RequestTrigger.ANNOUNCE)
                     events.append(Bootstrapped(sender.rid))
                 elif value == success:
+                    sender.state = fire_request(sender.state, RequestTrigger.GROUP_SUCCEEDED)
                     events.append(Succeeded(sender.rid))
                     self._forget_request(sender, now)
             elif value == bootstrapping:
@@ -993,6 +1021,7 @@ class PrefillCore:
                     stalled.append(sender)
             elif value not in live:
                 events.append(Failed(sender.rid, self._fail_concluded(sender, now)))
+                sender.state = fire_request(sender.state, RequestTrigger.GROUP_FAILED)
                 self._forget_request(sender, now)
         if stalled:
             self._log_stalls(stalled, stall_at, now)
@@ -1001,11 +1030,13 @@ class PrefillCore:
     def _fail_concluded(self, sender: _Sender, now: float) -> str:
         room = sender.room
         if self._rooms.state(room) is not RoomState.FAILED:
-            reason = self._rooms.failure(room) or (
-                f"Request {room} failed on another rank of the Prefill TP group"
+            failure = self._rooms.failure(room) or Failure(
+                ReasonClass.REPLICA,
+                f"Request {room} failed on another rank of the Prefill TP group",
             )
-            self._abort_room(room, reason, now, sender.timeout_stage)
-        return self._rooms.failure(room) or f"Request {room} failed"
+            self._abort_room(room, failure, now)
+        kept = self._rooms.failure(room)
+        return f"Request {room} failed" if kept is None else kept.message
 
     def _forget_request(self, sender: _Sender, now: float) -> None:
         del self._senders[sender.rid]
@@ -1038,7 +1069,7 @@ class PrefillCore:
         (docs/protocol.md#proto-failure-epd-abort;
         ``epd_abort_reason(rid)`` for an EPD give-up). A later pre-allocation is
         answered ``Failed``; an untracked room is dropped after the unclaimed TTL."""
-        self._abort_room(room, reason, now, reason_class=ReasonClass.ABORTED)
+        self._abort_room(room, Failure(ReasonClass.ABORTED, reason), now, PrefillTrigger.ABORT)
 
     def record_usage(
         self, room: int, cached_tokens: int, bootstrap_logprob: float | None = None
@@ -1131,7 +1162,9 @@ class PrefillCore:
             )
             writes = self._plan_writes(room, destinations, source, (None,), now)
         except TspdError as err:
-            self._abort_room(room, f"CachePD transfer failed: {err}", now)
+            self._abort_room(
+                room, Failure(ReasonClass.TRANSFER, f"CachePD transfer failed: {err}"), now
+            )
             return
         if writes is None:
             return
@@ -1157,7 +1190,10 @@ class PrefillCore:
             if not self.session_alive(session_id, now):
                 self._abort_room(
                     room,
-                    f"CachePD transfer failed: Decode session {session_id} is not alive",
+                    Failure(
+                        ReasonClass.PEER_DEAD,
+                        f"CachePD transfer failed: Decode session {session_id} is not alive",
+                    ),
                     now,
                 )
                 return None
@@ -1256,7 +1292,9 @@ class PrefillCore:
         try:
             writes = self._plan_writes(room, destinations, selection, self._interval_fields, now)
         except TspdError as err:
-            self._abort_room(room, f"CachePD transfer failed: {err}", now)
+            self._abort_room(
+                room, Failure(ReasonClass.TRANSFER, f"CachePD transfer failed: {err}"), now
+            )
             return
         if writes is None:
             return
@@ -1339,9 +1377,19 @@ class PrefillCore:
         marked failed for the TTL and the reason names its route); ``None``: any
         other worker error (``error`` is then the whole detail). The room is aborted
         with ``"CachePD transfer failed: …"`` unless it already ended, in which case
-        the first failure's reason stands (docs/protocol.md#proto-failure-worker)."""
+        the first failure's reason stands (docs/protocol.md#proto-failure-worker).
+        The failure's class is ``transfer``, or ``peer-dead`` when no session is named
+        and one of the room's destinations is a failed session (a layerwise wait
+        that saw its peer fail)."""
         self._per_room.in_flight.discard(room)
         close: tuple[str, int] | None = None
+        cls = ReasonClass.TRANSFER
+        if session_id is None and any(
+            not self.session_alive(d.session_id, now)
+            for d in self._per_room.destinations.get(room, ())
+            if d.manifest is not None
+        ):
+            cls = ReasonClass.PEER_DEAD
         if session_id is not None:
             newly_failed = self.session_alive(session_id, now)
             self._mark_session_failed(session_id, now)
@@ -1357,7 +1405,7 @@ class PrefillCore:
                 room,
             )
         else:
-            self._abort_room(room, f"CachePD transfer failed: {error}", now)
+            self._abort_room(room, Failure(cls, f"CachePD transfer failed: {error}"), now)
         if close is not None:
             # The Decode is probably gone: close its socket once the failure notices
             # just queued had their moment; a later message reopens it.
@@ -1392,7 +1440,9 @@ class PrefillCore:
             # Not notified: that route is the one that cannot be reached.
             kept = [d for d in destinations[room] if d.session_id not in sessions]
             destinations[room] = kept
-            self._abort_room(room, f"Decode unreachable: {error}", now)
+            self._abort_room(
+                room, Failure(ReasonClass.PEER_DEAD, f"Decode unreachable: {error}"), now
+            )
 
     # ------------------------------------------------------------------ timers
 
@@ -1422,7 +1472,7 @@ class PrefillCore:
                 route = self._route_of(destination.session_id)
                 if route is not None:
                     self._notify_failed(route, room)
-        self._forget_room(room, Mark.DROPPED, now)
+        self._forget_room(room, Mark.DROPPED, now, PrefillTrigger.TTL_EXPIRED)
 
     def handle_timeout(self, now: float) -> None:
         """Drop rooms no request claimed within the TTL (= bootstrap timeout), in

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping
 
 from tspd.core.machines import CompiledMachine, RoomState
 from tspd.core.poll import TransferPoll
+from tspd.core.reasons import Failure
 
 __all__ = ["RoomClocks", "RoomTable"]
 
@@ -61,7 +62,7 @@ class RoomTable:
         }
         self._states: dict[int, RoomState] = {}
         self._values: dict[int, int] = {}
-        self._reasons: dict[int, str] = {}
+        self._reasons: dict[int, Failure] = {}
 
     @property
     def wire_values(self) -> Mapping[int, int]:
@@ -114,35 +115,36 @@ class RoomTable:
             self._values[room] = _WIRE_VALUE[new]
         return new
 
-    def record_failure(self, room: int, reason: str) -> bool:
-        """Keep ``reason`` unless the room already has one; ``True`` if it was kept.
+    def record_failure(self, room: int, failure: Failure) -> bool:
+        """Keep ``failure`` unless the room already has one; ``True`` if it was kept.
 
         Used alone where the request concludes ``Failed`` but the room's status is
         left alone (bootstrap and waiting timeouts), and by :meth:`fail`.
         """
         if room in self._reasons:
             return False
-        self._reasons[room] = reason
+        self._reasons[room] = failure
         return True
 
-    def fail(self, room: int, reason: str) -> bool:
-        """Fail the room with ``reason`` (first reason wins).
+    def fail(self, room: int, failure: Failure, trigger: str = _FAIL) -> bool:
+        """Fail the room with ``failure`` (first failure wins) through ``trigger``.
 
         Returns ``True`` when this call failed the room (it was not ``Failed``
         before), so callers count a failure once per room and notify peers once.
         """
         newly = self.state(room) is not RoomState.FAILED
-        self.record_failure(room, reason)
-        self.fire(room, _FAIL)
+        self.record_failure(room, failure)
+        self.fire(room, trigger)
         return newly
 
-    def failure(self, room: int) -> str | None:
-        """The room's failure reason, if one was recorded."""
+    def failure(self, room: int) -> Failure | None:
+        """The room's first failure, if one was recorded."""
         return self._reasons.get(room)
 
-    def forget(self, room: int) -> None:
-        """End the room: drop its state and reason."""
-        self.fire(room, _FORGET)
+    def forget(self, room: int, trigger: str = _FORGET) -> None:
+        """End the room through ``trigger`` (``forget`` unless given): drop its state
+        and reason."""
+        self.fire(room, trigger)
         # A reason recorded for a room that never had a state is dropped too.
         self._reasons.pop(room, None)
 

@@ -55,6 +55,7 @@ from typing import Final
 
 from tspd.core.errors import ConfigError
 from tspd.core.machines import RoomState
+from tspd.core.reasons import Failure, ReasonClass
 
 __all__ = [
     "PHASES",
@@ -65,7 +66,6 @@ __all__ = [
     "RoomTracer",
     "Side",
     "TraceConfig",
-    "classify_failure",
 ]
 
 
@@ -112,82 +112,6 @@ class Outcome(enum.StrEnum):
     FAILED = "failed"
     #: An unclaimed Prefill room that had not failed, dropped after the TTL.
     DROPPED = "dropped"
-
-
-class ReasonClass(enum.StrEnum):
-    """A small fixed set of failure causes, for metric labels and log fields."""
-
-    #: Prefill: Decode never completed the pre-allocations in time.
-    TIMEOUT_BOOTSTRAPPING = "timeout-bootstrapping"
-    #: Decode: the KV never arrived within the waiting timeout.
-    TIMEOUT_WAITING = "timeout-waiting"
-    #: A write failed or the transfer could not be planned.
-    TRANSFER = "transfer"
-    #: The peer is gone: a dead Decode session, a lost Prefill bootstrap address.
-    PEER_DEAD = "peer-dead"
-    #: Decode: a Prefill rank reported the room ``Failed``.
-    PEER_FAILED = "peer-failed"
-    #: Another rank of this side's TP group failed the request.
-    REPLICA = "replica"
-    #: Prefill: the Decode session's registration was rejected.
-    REGISTRATION = "registration"
-    #: The pre-allocation (manifest) was invalid.
-    PREALLOCATION = "preallocation"
-    #: Decode: a bootstrap-server lookup failed.
-    BOOTSTRAP = "bootstrap"
-    #: Decode: the Prefill instance's layout or topology cannot be served.
-    INCOMPATIBLE = "incompatible"
-    #: A peer broke the protocol (completion before the route, unexpected rank...).
-    PROTOCOL = "protocol"
-    #: The engine aborted the request (EPD give-up, explicit abort).
-    ABORTED = "aborted"
-    #: Prefill: the room was never claimed by a request on this rank.
-    UNCLAIMED = "unclaimed"
-    #: A test's fault injection (``DISAGGREGATION_TEST_FAILURE_PROB``) failed it.
-    INJECTED = "injected"
-    #: Any reason not recognised above.
-    OTHER = "other"
-
-
-#: Reason fragments → class, checked in order (the first match wins). The texts are
-#: the cores' own reasons (several are the specification's verbatim messages).
-_REASON_PATTERNS: Final[tuple[tuple[str, ReasonClass], ...]] = (
-    ("in TransferPoll.Bootstrapping", ReasonClass.TIMEOUT_BOOTSTRAPPING),
-    ("in TransferPoll.WaitingForInput", ReasonClass.TIMEOUT_WAITING),
-    ("in TransferPoll.Transferring", ReasonClass.TIMEOUT_WAITING),
-    ("failed on another rank of the", ReasonClass.REPLICA),
-    ("EPD: prefill aborted request", ReasonClass.ABORTED),
-    ("is not alive", ReasonClass.PEER_DEAD),
-    ("layerwise peer failed", ReasonClass.PEER_DEAD),
-    ("Losing connection with prefill instance", ReasonClass.PEER_DEAD),
-    ("Failed to get kvcache from prefill instance", ReasonClass.PEER_FAILED),
-    ("registration rejected", ReasonClass.REGISTRATION),
-    ("invalid pre-allocation metadata", ReasonClass.PREALLOCATION),
-    ("Could not fetch", ReasonClass.BOOTSTRAP),
-    ("non-Paged cache prefill", ReasonClass.INCOMPATIBLE),
-    ("reports an invalid topology", ReasonClass.INCOMPATIBLE),
-    ("Received KV completion", ReasonClass.PROTOCOL),
-    ("completion set disagrees", ReasonClass.PROTOCOL),
-    ("Mooncake transfer failed", ReasonClass.TRANSFER),
-    ("CachePD transfer failed", ReasonClass.TRANSFER),
-)
-
-_TIMEOUT_STAGES: Final[Mapping[str, ReasonClass]] = MappingProxyType(
-    {
-        "bootstrapping": ReasonClass.TIMEOUT_BOOTSTRAPPING,
-        "waiting_for_input": ReasonClass.TIMEOUT_WAITING,
-    }
-)
-
-
-def classify_failure(reason: str, timeout_stage: str | None = None) -> ReasonClass:
-    """The class of a failure ``reason`` (a timeout's stage decides first)."""
-    if timeout_stage is not None and timeout_stage in _TIMEOUT_STAGES:
-        return _TIMEOUT_STAGES[timeout_stage]
-    for fragment, reason_class in _REASON_PATTERNS:
-        if fragment in reason:
-            return reason_class
-    return ReasonClass.OTHER
 
 
 #: Per side: ``(phase, opening mark, closing mark)``. A room that was never
@@ -383,25 +307,17 @@ class RoomTracer:
         live.descriptors += descriptors
         live.chunks += 1
 
-    def fail(
-        self,
-        room: int,
-        reason: str,
-        now: float,
-        *,
-        timeout_stage: str | None = None,
-        reason_class: ReasonClass | None = None,
-    ) -> ReasonClass:
-        """The room failed with ``reason``; the first failure's reason is kept and its
-        class returned (``reason_class`` when the caller knows it, else derived)."""
+    def fail(self, room: int, failure: Failure, now: float) -> Failure:
+        """The room failed; its first failure is kept and returned."""
         self.mark(room, Mark.FAILED, now)
         live = self._live[room]
         if live.reason is None:
-            live.reason = reason
-            live.timeout_stage = timeout_stage
-            live.reason_class = reason_class or classify_failure(reason, timeout_stage)
+            live.reason = failure.message
+            live.timeout_stage = failure.timeout_stage
+            live.reason_class = failure.cls
+            return failure
         assert live.reason_class is not None
-        return live.reason_class
+        return Failure(live.reason_class, live.reason)
 
     def finish(self, room: int, state: RoomState, mark: Mark, now: float) -> RoomTrace | None:
         """The room ended in ``state``, its last milestone ``mark``: freeze its trace,
