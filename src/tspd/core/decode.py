@@ -39,19 +39,15 @@ from typing import Any, Final, Self
 from tspd.core import wire
 from tspd.core.bootstrap import ParallelInfo, RankInfo
 from tspd.core.commands import (
-    Bootstrapped,
-    Command,
     Event,
     Failed,
     FetchParallelInfo,
     FetchRankInfo,
-    Log,
     LogLevel,
     PagesReleased,
     Rejected,
     RejectReason,
     RemotePrefillDone,
-    RoomFailed,
     SendFrames,
 )
 from tspd.core.config import check_rank_config, parse_pd_env
@@ -63,18 +59,17 @@ from tspd.core.machines import (
     AddressHealth,
     DecodeTrigger,
     HealthTrigger,
-    RequestState,
     RequestTrigger,
     RoomState,
-    fire_request,
 )
 from tspd.core.manifest import BlockManifest, build_manifest, validate_manifest
 from tspd.core.planner import RoutePlanner
-from tspd.core.poll import FaultInjection, TransferPoll
+from tspd.core.poll import TransferPoll
+from tspd.core.rank import RankCore, TrackedRequest
 from tspd.core.reasons import Failure, ReasonClass
-from tspd.core.rooms import RoomClocks, RoomTable
+from tspd.core.rooms import RoomClocks
 from tspd.core.topology import ParallelTopology
-from tspd.core.trace import Mark, RoomTrace, RoomTracer, Side, TraceConfig
+from tspd.core.trace import Mark, Side, TraceConfig
 
 __all__ = ["DEAD_ROUTE_TIMEOUTS", "DecodeConfig", "DecodeCore"]
 
@@ -90,34 +85,11 @@ _SET_MISMATCH: Final = Failure(
 _PREFILL_FAILED: Final = Failure(
     ReasonClass.PEER_FAILED, "Failed to get kvcache from prefill instance, it might be dead"
 )
-#: TransferPoll values as plain ints: the per-iteration poll and conclude compare
-#: these instead of building an enum per tracked request.
-_FAILED: Final = int(TransferPoll.FAILED)
-_BOOTSTRAPPED: Final = int(TransferPoll.BOOTSTRAPPED)
-_WAITING_FOR_INPUT: Final = int(TransferPoll.WAITING_FOR_INPUT)
-_TRANSFERRING: Final = int(TransferPoll.TRANSFERRING)
-_SUCCESS: Final = int(TransferPoll.SUCCESS)
-#: Values that conclude a request on this rank.
-_CONCLUDING: Final = frozenset({_SUCCESS, _FAILED})
-#: The request trigger a concluding room value fires.
-_ROOM_CONCLUDED: Final = {
-    _SUCCESS: RequestTrigger.ROOM_SUCCEEDED,
-    _FAILED: RequestTrigger.ROOM_FAILED,
-}
-#: Request states whose poll value is fixed, and that value.
-_CONCLUDED_VALUE: Final = {
-    RequestState.SUCCEEDED_UNANNOUNCED: _SUCCESS,
-    RequestState.SUCCEEDED: _SUCCESS,
-    RequestState.FAILED: _FAILED,
-}
-#: Request states whose Bootstrapped event has not gone out.
-_UNANNOUNCED: Final = frozenset({RequestState.REGISTERED, RequestState.SUCCEEDED_UNANNOUNCED})
-#: Agreed values that announce ``Bootstrapped`` (once).
-_ANNOUNCING: Final = frozenset({_BOOTSTRAPPED, _WAITING_FOR_INPUT, _TRANSFERRING, _SUCCESS})
+#: Agreed values that announce ``Bootstrapped`` (once): any live status from
+#: ``Bootstrapped`` on.
+_ANNOUNCING: Final = frozenset(int(p) for p in TransferPoll if p >= TransferPoll.BOOTSTRAPPED)
 #: Rooms still waiting for their KV: the waiting timeout applies to them.
 _WAITING_STATES: Final = frozenset({RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING})
-#: Agreed values that are not ``Failed``: anything else (unknown values too) is.
-_LIVE: Final = frozenset(int(p) for p in TransferPoll if p is not TransferPoll.FAILED)
 #: This many waiting timeouts in a row at one Prefill address, with no Success
 #: between them, mean its cached route is probably dead (the Prefill restarted while
 #: its bootstrap server lived on): the route is dropped and fetched again.
@@ -199,14 +171,10 @@ class DecodeConfig:
         return cls(**values)
 
 
-@dataclass(slots=True)
-class _Receiver:
-    rid: str
-    room: int
+@dataclass(slots=True, kw_only=True)
+class _Receiver(TrackedRequest):
+    #: The request's Prefill bootstrap address.
     addr: str
-    started: float
-    #: Where the request is in its machine (:data:`~tspd.core.machines.REQUEST`).
-    state: RequestState = RequestState.REGISTERED
     #: This rank's pre-allocation went out: Prefill ranks may write its pages.
     preallocated: bool = False
     #: Prefill ranks that reported the room ended (Success or Failed).
@@ -255,14 +223,25 @@ class _Address:
     timeouts: int = 0
 
 
-class DecodeCore:
+class DecodeCore(RankCore[_Receiver]):
     """One Decode rank's requests, routes, registrations and completions. See the
-    module docstring for when the shell calls what."""
+    module docstring for when the shell calls what; :class:`~tspd.core.rank.RankCore`
+    holds what it shares with the Prefill core (room table, traces, request
+    tracking)."""
+
+    _group = "Decode"
 
     def __init__(self, config: DecodeConfig) -> None:
+        super().__init__(
+            Side.DECODE,
+            config.tp_rank,
+            DECODE_ROOM_TABLE,
+            config.trace,
+            _ANNOUNCING,
+            config.test_failure_prob,
+            config.test_failure_seed,
+        )
         self.config = config
-        self._rooms = RoomTable(DECODE_ROOM_TABLE)
-        self._receivers: dict[str, _Receiver] = {}
         self._rid_of_room: dict[int, str] = {}
         self._addresses: dict[str, _Address] = {}
         #: Rooms waiting for an address's parallel info.
@@ -286,14 +265,9 @@ class DecodeCore:
         #: The same clocks until the poll (or the timer) has checked them once past
         #: the waiting timeout: a room is checked once, not on every iteration.
         self._waiting_unchecked = RoomClocks()
-        self._commands: list[Command] = []
         self._waiting_warned = False
-        self._trace = RoomTracer(Side.DECODE, config.tp_rank, config.trace)
-        self._faults = (
-            FaultInjection(config.test_failure_prob, config.test_failure_seed)
-            if config.test_failure_prob > 0
-            else None
-        )
+        #: The agreed "pages free" flags of the conclude in progress.
+        self._free: Sequence[int] = ()
         try:
             registration = wire.encode_registration(
                 wire.Registration(
@@ -314,43 +288,12 @@ class DecodeCore:
             ) from err
         self._registration_frames = tuple(registration)
 
-    # ------------------------------------------------------------------ outputs
-
-    def drain_commands(self) -> list[Command]:
-        """Every command queued since the last drain, in order."""
-        commands, self._commands = self._commands, []
-        return commands
-
-    def drain_finished(self) -> list[RoomTrace]:
-        """The trace of every room that ended since the last drain, in order: its
-        outcome, failure class and phase durations, for metrics. Drain it after
-        :meth:`drain_commands`; undrained traces are bounded
-        (:attr:`DecodeConfig.trace`)."""
-        return self._trace.drain_finished()
-
-    def _log(self, level: LogLevel, message: str, room: int | None = None) -> None:
-        self._commands.append(Log(level, message, room))
-
     # ------------------------------------------------------------------ queries
-
-    def room_state(self, room: int) -> RoomState:
-        """The room's state on this rank (``ABSENT`` if it has none)."""
-        return self._rooms.state(room)
-
-    def room_failure(self, room: int) -> str | None:
-        """The room's first recorded failure reason."""
-        failure = self._rooms.failure(room)
-        return None if failure is None else failure.message
-
-    def room_failure_class(self, room: int) -> ReasonClass | None:
-        """The class of the room's first recorded failure."""
-        failure = self._rooms.failure(room)
-        return None if failure is None else failure.cls
 
     def has_in_flight(self) -> bool:
         """Whether any request is tracked or any failed room's pages are held (the
         scheduler polls only then)."""
-        return bool(self._receivers) or bool(self._held)
+        return bool(self._requests) or bool(self._held)
 
     def tracked_rooms(self) -> list[int]:
         """The rooms of tracked requests, ascending."""
@@ -360,28 +303,13 @@ class DecodeCore:
         """The Prefill bootstrap addresses to heartbeat: those with cached parallel info."""
         return sorted(self._addresses)
 
-    def rooms_by_state(self) -> dict[str, int]:
-        """How many rooms are in each state (``"Bootstrapping"``, ``"Failed"``...), for
-        gauges; states without rooms are left out."""
-        return self._rooms.counts()
-
-    def trace(self, room: int) -> RoomTrace | None:
-        """The room's trace on this rank: live, or kept after it failed or ran slow;
-        ``None`` when neither (see :mod:`tspd.core.trace`)."""
-        return self._trace.trace(room)
-
-    def recent_traces(self) -> list[RoomTrace]:
-        """Traces of recently ended rooms that failed or ran slow, oldest first
-        (bounded by :attr:`DecodeConfig.trace`)."""
-        return self._trace.recent()
-
     def statistics(self) -> dict[str, int]:
         """Table sizes. Every per-room table is empty once all rooms have ended;
         ``addresses``, ``rank_infos`` and ``registered_ranks`` are per Prefill peer."""
         return {
             "rooms": len(self._rooms),
             "traces": len(self._trace),
-            "tracked_requests": len(self._receivers),
+            "tracked_requests": len(self._requests),
             "routes": len(self._routes),
             "completions": len(self._completions),
             "waiting": len(self._waiting_since),
@@ -396,25 +324,10 @@ class DecodeCore:
 
     # ------------------------------------------------------------------ room helpers
 
-    def _fail(
-        self,
-        room: int,
-        failure: Failure,
-        now: float,
-        trigger: DecodeTrigger = DecodeTrigger.FAIL,
-    ) -> None:
-        if self._rooms.state(room) is RoomState.ABSENT:
-            return
-        newly = self._rooms.fail(room, failure, trigger)
-        if newly and self._rooms.state(room) is RoomState.FAILED:
-            kept = self._trace.fail(room, self._rooms.failure(room) or failure, now)
-            # The RoomFailed command is the failure's one log line (tspd.log).
-            self._commands.append(RoomFailed(room, kept.message, kept.timeout_stage, kept.cls))
-
-    def _forget(self, receiver: _Receiver, now: float) -> None:
+    def _forget_request(self, receiver: _Receiver, now: float) -> None:
         room = receiver.room
         self._trace.finish(room, self._rooms.state(room), Mark.CONCLUDED, now)
-        del self._receivers[receiver.rid]
+        del self._requests[receiver.rid]
         self._rid_of_room.pop(room, None)
         self._rooms.forget(room)
         self._routes.pop(room, None)
@@ -440,14 +353,14 @@ class DecodeCore:
         as the address's parallel info is known (fetched once per address)."""
         if not 0 <= room <= wire.MAX_ROOM:
             raise ProtocolError(f"bootstrap_room {room} of request {rid} is outside [0, 2^63-1]")
-        if rid in self._receivers:
+        if rid in self._requests:
             raise ProtocolError(f"request {rid} is already registered (room {room})")
         if room in self._rid_of_room:
             raise ProtocolError(
                 f"room {room} is already used by request {self._rid_of_room[room]} on this rank"
             )
         self._rooms.fire(room, DecodeTrigger.REGISTER)
-        self._receivers[rid] = _Receiver(rid, room, bootstrap_addr, now)
+        self._requests[rid] = _Receiver(rid, room, now, addr=bootstrap_addr)
         self._rid_of_room[room] = rid
         self._trace.mark(room, Mark.REGISTERED, now, rid=rid)
         self._tracker.setdefault(bootstrap_addr, set()).add(room)
@@ -649,7 +562,7 @@ class DecodeCore:
             raise ProtocolError(
                 f"room {room} is {state.value}: pre-allocate only after its Bootstrapped event"
             )
-        receiver = self._receivers[self._rid_of_room[room]]
+        receiver = self._requests[self._rid_of_room[room]]
         route = self._routes[room]
         try:
             if not isinstance(manifest, BlockManifest):
@@ -750,7 +663,7 @@ class DecodeCore:
         route = self._routes.get(message.room)
         rid = self._rid_of_room.get(message.room)
         if route is not None and rid is not None:
-            info = self._rank_infos.get((self._receivers[rid].addr, route.dp_group, rank))
+            info = self._rank_infos.get((self._requests[rid].addr, route.dp_group, rank))
             return info is not None and info.curve_key == sender
         return any(k[2] == rank and i.curve_key == sender for k, i in self._rank_infos.items())
 
@@ -759,7 +672,7 @@ class DecodeCore:
         room's pages any more (its write fencing)."""
         rid = self._rid_of_room.get(room)
         if rid is not None:
-            self._receivers[rid].ended_by.add(rank)
+            self._requests[rid].ended_by.add(rank)
             return
         held = self._held.get(room)
         if held is not None:
@@ -836,7 +749,7 @@ class DecodeCore:
             self._rooms.fire(room, DecodeTrigger.COMPLETED)
             self._trace.mark(room, Mark.COMPLETED, now)
             rid = self._rid_of_room.get(room)
-            address = self._addresses.get(self._receivers[rid].addr) if rid else None
+            address = self._addresses.get(self._requests[rid].addr) if rid else None
             if address is not None:
                 address.timeouts = 0
 
@@ -928,7 +841,7 @@ class DecodeCore:
         since = self._waiting_since.get(room)
         if (
             since is None
-            or receiver.state in _CONCLUDED_VALUE
+            or receiver.concluded
             or self._rooms.state(room) not in _WAITING_STATES
             or now - since < self.config.waiting_timeout
         ):
@@ -942,7 +855,7 @@ class DecodeCore:
         # The request concludes Failed; the room's status is left alone until the
         # group's agreement fails it (docs/protocol.md#proto-decode-room-table).
         self._rooms.record_failure(room, Failure(ReasonClass.TIMEOUT_WAITING, reason))
-        receiver.state = fire_request(receiver.state, RequestTrigger.WAITING_TIMEOUT)
+        receiver.fire(RequestTrigger.WAITING_TIMEOUT)
         address = self._addresses.get(receiver.addr)
         if address is not None:
             address.timeouts += 1
@@ -962,7 +875,7 @@ class DecodeCore:
         for room in self._waiting_unchecked.pop_expired(now, self.config.waiting_timeout):
             rid = self._rid_of_room.get(room)
             if rid is not None:
-                self._check_waiting(self._receivers[rid], now)
+                self._check_waiting(self._requests[rid], now)
 
     def poll_values(self, now: float) -> list[int]:
         """This rank's value per tracked request, in registration order, for the MIN
@@ -973,26 +886,11 @@ class DecodeCore:
         waiting for input past the waiting timeout concludes ``Failed`` with its
         reason."""
         self._check_expired_waits(now)
-        values: list[int] = []
+        values = self._local_values(now)
         append = values.append
-        value_of = self._rooms.wire_values.get
-        # Locals, not globals or enum members, inside the per-request loop.
-        concluding, failed, fixed = _CONCLUDING, _FAILED, _CONCLUDED_VALUE.get
-        for receiver in self._receivers.values():
-            value = fixed(receiver.state)
-            if value is None:
-                value = value_of(receiver.room, failed)
-                if value in concluding:
-                    receiver.state = fire_request(receiver.state, _ROOM_CONCLUDED[value])
-                elif self._faults is not None and self._faults.fires():
-                    room = receiver.room
-                    self._fail(room, Failure(ReasonClass.INJECTED, self._faults.reason(room)), now)
-                    receiver.state = fire_request(receiver.state, RequestTrigger.FAULT_INJECTED)
-                    value = failed
-            append(value)
         # Then, per request, whether this rank's pages may still be written if it
         # fails (0) or not (1): the MIN holds them when any rank's may be.
-        for receiver in self._receivers.values():
+        for receiver in self._requests.values():
             append(0 if self._holds(receiver) else 1)
         # Then one value per held room, in the order they failed: 1 when this rank
         # may reuse its pages (the MIN releases them once every rank may).
@@ -1004,7 +902,7 @@ class DecodeCore:
     def conclude(self, agreed: Sequence[int], now: float) -> list[Event]:
         """Apply the group's agreed values and return the scheduler's events; requests
         that ended are forgotten with their rooms."""
-        receivers = list(self._receivers.values())
+        receivers = list(self._requests.values())
         held = list(self._held.items())
         count = len(receivers)
         if len(agreed) != 2 * count + len(held):
@@ -1014,43 +912,20 @@ class DecodeCore:
                 "must track the same requests"
             )
         events: list[Event] = self._release(held, agreed[2 * count :], now)
-        free = agreed[count : 2 * count]
-        agreed = agreed[:count]
-        # Plain ints in locals: no enum is built or looked up per request. A value
-        # that is not a live TransferPoll reads as Failed, as from_wire would say.
-        live, announcing, success, unannounced = _LIVE, _ANNOUNCING, _SUCCESS, _UNANNOUNCED
-        for index, (receiver, value) in enumerate(zip(receivers, agreed, strict=True)):
-            if value in live:
-                if receiver.state in unannounced:
-                    if value in announcing:
-                        receiver.state = fire_request(receiver.state, RequestTrigger.ANNOUNCE)
-                        events.append(Bootstrapped(receiver.rid))
-                elif value == success:
-                    receiver.state = fire_request(receiver.state, RequestTrigger.GROUP_SUCCEEDED)
-                    events.append(self._prefill_done(receiver))
-                    self._forget(receiver, now)
-            else:
-                room = receiver.room
-                if self._rooms.state(room) is not RoomState.FAILED:
-                    self._fail(
-                        room,
-                        self._rooms.failure(room)
-                        or Failure(
-                            ReasonClass.REPLICA,
-                            f"Request {room} failed on another rank of the Decode TP group",
-                        ),
-                        now,
-                    )
-                failure = self._rooms.failure(room)
-                reason = f"Request {room} failed" if failure is None else failure.message
-                receiver.state = fire_request(receiver.state, RequestTrigger.GROUP_FAILED)
-                # Some rank of the group may still have its pages written.
-                pages_held = free[index] == 0
-                events.append(Failed(receiver.rid, reason, pages_held))
-                if pages_held:
-                    self._hold(receiver, now)
-                self._forget(receiver, now)
+        self._free = agreed[count : 2 * count]
+        events += self._conclude_requests(receivers, agreed[:count], now)
+        self._free = ()
         return events
+
+    def _succeeded(self, request: _Receiver) -> Event:
+        return self._prefill_done(request)
+
+    def _failed(self, request: _Receiver, reason: str, index: int, now: float) -> Event:
+        # Some rank of the group may still have its pages written: they stay held.
+        pages_held = self._free[index] == 0
+        if pages_held:
+            self._hold(request, now)
+        return Failed(request.rid, reason, pages_held)
 
     def _hold(self, receiver: _Receiver, now: float) -> None:
         """Keep a failed room's pages held until every expected Prefill rank that got

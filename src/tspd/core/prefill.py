@@ -49,9 +49,7 @@ from typing import Any, Final, Self
 
 from tspd.core import wire
 from tspd.core.commands import (
-    Bootstrapped,
     CloseRoute,
-    Command,
     DestinationWrite,
     Event,
     Failed,
@@ -59,7 +57,6 @@ from tspd.core.commands import (
     LogLevel,
     Rejected,
     RejectReason,
-    RoomFailed,
     SendFrames,
     StartTransfer,
     Succeeded,
@@ -69,14 +66,7 @@ from tspd.core.config import check_rank_config, parse_pd_env
 from tspd.core.contract import CacheContract, check_local_contract
 from tspd.core.copies import plan_steps
 from tspd.core.errors import ConfigError, PlanError, ProtocolError, TspdError
-from tspd.core.machines import (
-    PREFILL_ROOM_TABLE,
-    PrefillTrigger,
-    RequestState,
-    RequestTrigger,
-    RoomState,
-    fire_request,
-)
+from tspd.core.machines import PREFILL_ROOM_TABLE, PrefillTrigger, RequestTrigger, RoomState
 from tspd.core.manifest import (
     BlockManifest,
     Selection,
@@ -86,12 +76,13 @@ from tspd.core.manifest import (
     validate_manifest,
 )
 from tspd.core.planner import PlannedRegistration, plan_registration, validate_fanout
-from tspd.core.poll import FaultInjection, TransferPoll
+from tspd.core.poll import TransferPoll
+from tspd.core.rank import RankCore, TrackedRequest
 from tspd.core.reasons import Failure, ReasonClass
-from tspd.core.rooms import RoomClocks, RoomTable
+from tspd.core.rooms import RoomClocks
 from tspd.core.schedule import ProducerSchedule, StepReservation, interval_targets
 from tspd.core.topology import ParallelTopology
-from tspd.core.trace import Mark, RoomTrace, RoomTracer, Side, TraceConfig
+from tspd.core.trace import Mark, Side, TraceConfig
 
 __all__ = [
     "BOOTSTRAP_STALL_S",
@@ -138,31 +129,10 @@ _FANOUT = "pre-allocation exceeds destination fanout"
 _TOKEN_UNAVAILABLE = "Cache-transfer bootstrap token is unavailable"
 _MAX_TOKEN = 2**63 - 1
 _MIN_INT32, _MAX_INT32 = -(2**31), 2**31 - 1
-#: TransferPoll values as plain ints: the per-iteration poll and conclude compare
-#: these instead of building an enum per tracked request.
-_FAILED: Final = int(TransferPoll.FAILED)
+#: TransferPoll values as plain ints, for the per-request poll and conclude.
 _BOOTSTRAPPING: Final = int(TransferPoll.BOOTSTRAPPING)
-_BOOTSTRAPPED: Final = int(TransferPoll.BOOTSTRAPPED)
-_SUCCESS: Final = int(TransferPoll.SUCCESS)
-#: Values that conclude a request on this rank.
-_CONCLUDING: Final = frozenset({_SUCCESS, _FAILED})
-#: The request trigger a concluding room value fires.
-_ROOM_CONCLUDED: Final = {
-    _SUCCESS: RequestTrigger.ROOM_SUCCEEDED,
-    _FAILED: RequestTrigger.ROOM_FAILED,
-}
-#: Request states whose poll value is fixed, and that value.
-_CONCLUDED_VALUE: Final = {
-    RequestState.SUCCEEDED_UNANNOUNCED: _SUCCESS,
-    RequestState.SUCCEEDED: _SUCCESS,
-    RequestState.FAILED: _FAILED,
-}
-#: Request states whose Bootstrapped event has not gone out.
-_UNANNOUNCED: Final = frozenset({RequestState.REGISTERED, RequestState.SUCCEEDED_UNANNOUNCED})
 #: Agreed values that announce ``Bootstrapped`` (once) or, later, succeed.
-_ANNOUNCING: Final = frozenset({_BOOTSTRAPPED, _SUCCESS})
-#: Agreed values that are not ``Failed``: anything else (unknown values too) is.
-_LIVE: Final = frozenset(int(p) for p in TransferPoll if p is not TransferPoll.FAILED)
+_ANNOUNCING: Final = frozenset({int(TransferPoll.BOOTSTRAPPED), int(TransferPoll.SUCCESS)})
 _TIMEOUT_WARNING = (
     "Some requests timed out when bootstrapping: the decode instance never sent their "
     "cache manifest. Raise TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT (read by "
@@ -298,15 +268,6 @@ class _Destination:
 
 
 @dataclass(slots=True)
-class _Sender:
-    rid: str
-    room: int
-    started: float
-    #: Where the request is in its machine (:data:`~tspd.core.machines.REQUEST`).
-    state: RequestState = RequestState.REGISTERED
-
-
-@dataclass(slots=True)
 class _Metadata:
     bootstrap_token: int
     spec_candidate_ids: tuple[int, ...]
@@ -344,16 +305,23 @@ class _PerRoom:
         self.in_flight.discard(room)
 
 
-class PrefillCore:
+class PrefillCore(RankCore[TrackedRequest]):
     """One Prefill rank's registrations, rooms, requests and timers. See the module
-    docstring for when the shell calls what."""
+    docstring for when the shell calls what; :class:`~tspd.core.rank.RankCore` holds
+    what it shares with the Decode core (room table, traces, request tracking)."""
 
     def __init__(self, config: PrefillConfig) -> None:
+        super().__init__(
+            Side.PREFILL,
+            config.tp_rank,
+            PREFILL_ROOM_TABLE,
+            config.trace,
+            _ANNOUNCING,
+            config.test_failure_prob,
+            config.test_failure_seed,
+        )
         self.config = config
-        self._rooms = RoomTable(PREFILL_ROOM_TABLE)
         self._per_room = _PerRoom()
-        #: Tracked requests by rid, in registration order.
-        self._senders: dict[str, _Sender] = {}
         #: Rooms of tracked requests -> how many tracked requests name them.
         self._tracked: dict[int, int] = {}
         self._registrations: dict[str, _Registered] = {}
@@ -372,15 +340,11 @@ class PrefillCore:
         #: Rooms -> routes whose Failed notice waits for the room's writes to end.
         self._deferred_notices: dict[int, list[tuple[str, int]]] = {}
         self._steps = StepReservation()
-        self._commands: list[Command] = []
         self._stall_logged_at: float | None = None
+        #: Requests still bootstrapping past the stall age, seen by this conclude.
+        self._stalled: list[TrackedRequest] = []
+        self._stall_due = False
         self._timeout_warned = False
-        self._trace = RoomTracer(Side.PREFILL, config.tp_rank, config.trace)
-        self._faults = (
-            FaultInjection(config.test_failure_prob, config.test_failure_seed)
-            if config.test_failure_prob > 0
-            else None
-        )
         self._interval_fields: tuple[frozenset[str] | None, ...] = (None,)
         if config.layerwise is not None:
             self._interval_fields = tuple(
@@ -389,27 +353,6 @@ class PrefillCore:
             )
 
     # ------------------------------------------------------------------ outputs
-
-    def drain_commands(self) -> list[Command]:
-        """Every command queued since the last drain, in order."""
-        commands, self._commands = self._commands, []
-        return commands
-
-    def drain_finished(self) -> list[RoomTrace]:
-        """The trace of every room that ended since the last drain, in order: its
-        outcome, failure class, phase durations, bytes and descriptors, for metrics.
-        Drain it after :meth:`drain_commands`; undrained traces are bounded
-        (:attr:`PrefillConfig.trace`)."""
-        return self._trace.drain_finished()
-
-    def _log(
-        self,
-        level: LogLevel,
-        message: str,
-        room: int | None = None,
-        limit_key: str | None = None,
-    ) -> None:
-        self._commands.append(Log(level, message, room, limit_key))
 
     def _reject(
         self, reason: RejectReason, peer: str, message: str, room: int | None = None
@@ -432,20 +375,6 @@ class PrefillCore:
 
     # ------------------------------------------------------------------ queries
 
-    def room_state(self, room: int) -> RoomState:
-        """The room's state on this rank (``ABSENT`` if it has none)."""
-        return self._rooms.state(room)
-
-    def room_failure(self, room: int) -> str | None:
-        """The room's first recorded failure reason."""
-        failure = self._rooms.failure(room)
-        return None if failure is None else failure.message
-
-    def room_failure_class(self, room: int) -> ReasonClass | None:
-        """The class of the room's first recorded failure."""
-        failure = self._rooms.failure(room)
-        return None if failure is None else failure.cls
-
     def room_active(self, room: int) -> bool:
         """Whether writes for the room may still go out (it is neither absent nor
         ``Failed``). Workers check it before each write: no page is written after
@@ -454,7 +383,7 @@ class PrefillCore:
 
     def has_in_flight(self) -> bool:
         """Whether any request is tracked (the scheduler polls only then)."""
-        return bool(self._senders)
+        return bool(self._requests)
 
     def tracked_rooms(self) -> list[int]:
         """The rooms of tracked requests, ascending."""
@@ -475,21 +404,6 @@ class PrefillCore:
         """Whether ``session_id`` has an accepted registration."""
         return session_id in self._registrations
 
-    def rooms_by_state(self) -> dict[str, int]:
-        """How many rooms are in each state (``"Bootstrapping"``, ``"Failed"``...), for
-        gauges; states without rooms are left out."""
-        return self._rooms.counts()
-
-    def trace(self, room: int) -> RoomTrace | None:
-        """The room's trace on this rank: live, or kept after it failed or ran slow;
-        ``None`` when neither (see :mod:`tspd.core.trace`)."""
-        return self._trace.trace(room)
-
-    def recent_traces(self) -> list[RoomTrace]:
-        """Traces of recently ended rooms that failed, were dropped or ran slow,
-        oldest first (bounded by :attr:`PrefillConfig.trace`)."""
-        return self._trace.recent()
-
     def statistics(self) -> dict[str, int]:
         """Table sizes. Every per-room table is empty once all rooms have ended;
         ``registrations``, ``rejected`` and ``failed_sessions`` are per Decode session."""
@@ -497,7 +411,7 @@ class PrefillCore:
         return {
             "rooms": len(self._rooms),
             "traces": len(self._trace),
-            "tracked_requests": len(self._senders),
+            "tracked_requests": len(self._requests),
             "tracked_rooms": len(self._tracked),
             "unclaimed": len(per_room.unclaimed),
             "destinations": len(per_room.destinations),
@@ -563,19 +477,16 @@ class PrefillCore:
         at = self._failed_rooms.get(room)
         return at is not None and now - at < self.config.bootstrap_timeout
 
-    def _abort_room(
+    def _fail(
         self,
         room: int,
         failure: Failure,
         now: float,
-        trigger: PrefillTrigger = PrefillTrigger.FAIL,
+        trigger: str = PrefillTrigger.FAIL,
     ) -> None:
         """Fail the room (the first failure wins) and tell every non-dummy destination
         that pre-allocated for it; its destinations are dropped."""
-        if self._rooms.fail(room, failure, trigger):
-            kept = self._trace.fail(room, self._rooms.failure(room) or failure, now)
-            # The RoomFailed command is the failure's one log line (tspd.log).
-            self._commands.append(RoomFailed(room, kept.message, kept.timeout_stage, kept.cls))
+        self._fail_room(room, failure, now, trigger)
         self._touch(room, now)
         self._per_room.in_flight.discard(room)
         self._per_room.written.discard(room)
@@ -762,7 +673,7 @@ class PrefillCore:
             if any(d.session_id == session_id for d in destinations)
         ]
         for room in affected:
-            self._abort_room(
+            self._fail(
                 room,
                 Failure(
                     ReasonClass.REGISTRATION,
@@ -847,7 +758,7 @@ class PrefillCore:
                 f"rejecting CachePD pre-allocation of room {room} from session {session_id}: {err}",
                 room,
             )
-            self._abort_room(
+            self._fail(
                 room,
                 Failure(ReasonClass.PREALLOCATION, f"invalid pre-allocation metadata: {err}"),
                 now,
@@ -926,14 +837,14 @@ class PrefillCore:
         """
         if not 0 <= room <= wire.MAX_ROOM:
             raise ProtocolError(f"bootstrap_room {room} of request {rid} is outside [0, 2^63-1]")
-        if rid in self._senders:
+        if rid in self._requests:
             raise ProtocolError(f"request {rid} is already registered (room {room})")
         self._per_room.usage.pop(room, None)
         self._failed_rooms.pop(room, None)
         self._rooms.fire(room, PrefillTrigger.REGISTER)
         self._per_room.unclaimed.pop(room)
         self._tracked[room] = self._tracked.get(room, 0) + 1
-        self._senders[rid] = _Sender(rid, room, now)
+        self._requests[rid] = TrackedRequest(rid, room, now)
         self._trace.mark(room, Mark.REGISTERED, now, rid=rid)
 
     def poll_values(self, now: float) -> list[int]:
@@ -941,35 +852,15 @@ class PrefillCore:
         all-reduce (docs/protocol.md#proto-prefill-poll step 1). A request bootstrapping past the
         bootstrap
         timeout concludes ``Failed`` here, with its reason."""
-        values: list[int] = []
-        append = values.append
-        value_of = self._rooms.wire_values.get
-        timeout = self.config.bootstrap_timeout
-        # Locals, not globals or enum members, inside the per-request loop.
-        concluding, failed, bootstrapping = _CONCLUDING, _FAILED, _BOOTSTRAPPING
-        fixed = _CONCLUDED_VALUE.get
-        for sender in self._senders.values():
-            value = fixed(sender.state)
-            if value is None:
-                value = value_of(sender.room, failed)
-                if value in concluding:
-                    sender.state = fire_request(sender.state, _ROOM_CONCLUDED[value])
-                elif value == bootstrapping and now - sender.started >= timeout:
-                    self._bootstrap_timed_out(sender, now)
-                    value = failed
-                elif self._faults is not None and self._faults.fires():
-                    self._inject_failure(sender, now)
-                    value = failed
-            append(value)
-        return values
+        return self._local_values(now)
 
-    def _inject_failure(self, sender: _Sender, now: float) -> None:
-        assert self._faults is not None
-        failure = Failure(ReasonClass.INJECTED, self._faults.reason(sender.room))
-        self._abort_room(sender.room, failure, now)
-        sender.state = fire_request(sender.state, RequestTrigger.FAULT_INJECTED)
+    def _timed_out(self, request: TrackedRequest, value: int, now: float) -> bool:
+        if value != _BOOTSTRAPPING or now - request.started < self.config.bootstrap_timeout:
+            return False
+        self._bootstrap_timed_out(request, now)
+        return True
 
-    def _bootstrap_timed_out(self, sender: _Sender, now: float) -> None:
+    def _bootstrap_timed_out(self, sender: TrackedRequest, now: float) -> None:
         """The request concludes ``Failed``; the room's status is left alone until
         the group's agreement fails it (docs/protocol.md#proto-prefill-room-table)."""
         elapsed = now - sender.started
@@ -981,65 +872,46 @@ class PrefillCore:
             self._timeout_warned = True
             self._log(LogLevel.WARNING, _TIMEOUT_WARNING)
         self._rooms.record_failure(sender.room, Failure(ReasonClass.TIMEOUT_BOOTSTRAPPING, reason))
-        sender.state = fire_request(sender.state, RequestTrigger.BOOTSTRAP_TIMEOUT)
+        sender.fire(RequestTrigger.BOOTSTRAP_TIMEOUT)
 
     def conclude(self, agreed: Sequence[int], now: float) -> list[Event]:
         """Apply the group's agreed values (docs/protocol.md#proto-prefill-poll steps 3-4) and
         return the
         scheduler's events; requests that ended are forgotten with their rooms."""
-        senders = list(self._senders.values())
-        if len(agreed) != len(senders):
+        requests = list(self._requests.values())
+        if len(agreed) != len(requests):
             raise ProtocolError(
                 f"the replica agreement returned {len(agreed)} values for "
-                f"{len(senders)} tracked requests: every rank must track the same requests"
+                f"{len(requests)} tracked requests: every rank must track the same requests"
             )
         # The stall warning goes before anything this call queues; its candidates
-        # are collected in the same pass as the events.
-        stall_due = (
+        # are collected in the same pass as the events (:meth:`_still_open`).
+        self._stall_due = (
             self._stall_logged_at is None or now - self._stall_logged_at >= BOOTSTRAP_STALL_S
         )
         stall_at = len(self._commands)
-        stalled: list[_Sender] = []
-        events: list[Event] = []
-        # Plain ints in locals: no enum is built or looked up per request. A value
-        # that is not a live TransferPoll reads as Failed, as from_wire would say.
-        announcing, live, success, bootstrapping = _ANNOUNCING, _LIVE, _SUCCESS, _BOOTSTRAPPING
-        unannounced = _UNANNOUNCED
-        for sender, value in zip(senders, agreed, strict=True):
-            if value in announcing:
-                if sender.state in unannounced:
-                    # A room may succeed before its Bootstrapped event went out: the
-                    # event comes first, Succeeded on the next poll.
-                    sender.state = fire_request(sender.state, RequestTrigger.ANNOUNCE)
-                    events.append(Bootstrapped(sender.rid))
-                elif value == success:
-                    sender.state = fire_request(sender.state, RequestTrigger.GROUP_SUCCEEDED)
-                    events.append(Succeeded(sender.rid))
-                    self._forget_request(sender, now)
-            elif value == bootstrapping:
-                if stall_due and now - sender.started >= BOOTSTRAP_STALL_S:
-                    stalled.append(sender)
-            elif value not in live:
-                events.append(Failed(sender.rid, self._fail_concluded(sender, now)))
-                sender.state = fire_request(sender.state, RequestTrigger.GROUP_FAILED)
-                self._forget_request(sender, now)
-        if stalled:
-            self._log_stalls(stalled, stall_at, now)
+        events = self._conclude_requests(requests, agreed, now)
+        if self._stalled:
+            self._log_stalls(self._stalled, stall_at, now)
+            self._stalled = []
         return events
 
-    def _fail_concluded(self, sender: _Sender, now: float) -> str:
-        room = sender.room
-        if self._rooms.state(room) is not RoomState.FAILED:
-            failure = self._rooms.failure(room) or Failure(
-                ReasonClass.REPLICA,
-                f"Request {room} failed on another rank of the Prefill TP group",
-            )
-            self._abort_room(room, failure, now)
-        kept = self._rooms.failure(room)
-        return f"Request {room} failed" if kept is None else kept.message
+    def _still_open(self, request: TrackedRequest, value: int, now: float) -> None:
+        if (
+            value == _BOOTSTRAPPING
+            and self._stall_due
+            and now - request.started >= BOOTSTRAP_STALL_S
+        ):
+            self._stalled.append(request)
 
-    def _forget_request(self, sender: _Sender, now: float) -> None:
-        del self._senders[sender.rid]
+    def _succeeded(self, request: TrackedRequest) -> Event:
+        return Succeeded(request.rid)
+
+    def _failed(self, request: TrackedRequest, reason: str, index: int, now: float) -> Event:
+        return Failed(request.rid, reason)
+
+    def _forget_request(self, sender: TrackedRequest, now: float) -> None:
+        del self._requests[sender.rid]
         room = sender.room
         left = self._tracked.get(room, 0) - 1
         if left > 0:
@@ -1048,7 +920,7 @@ class PrefillCore:
         self._tracked.pop(room, None)
         self._forget_room(room, Mark.CONCLUDED, now)
 
-    def _log_stalls(self, stalled: list[_Sender], at: int, now: float) -> None:
+    def _log_stalls(self, stalled: list[TrackedRequest], at: int, now: float) -> None:
         """Queue the stall warning at command position ``at`` (before the events'
         commands of the same conclude), listing the first few stalled requests."""
         self._stall_logged_at = now
@@ -1069,7 +941,7 @@ class PrefillCore:
         (docs/protocol.md#proto-failure-epd-abort;
         ``epd_abort_reason(rid)`` for an EPD give-up). A later pre-allocation is
         answered ``Failed``; an untracked room is dropped after the unclaimed TTL."""
-        self._abort_room(room, Failure(ReasonClass.ABORTED, reason), now, PrefillTrigger.ABORT)
+        self._fail(room, Failure(ReasonClass.ABORTED, reason), now, PrefillTrigger.ABORT)
 
     def record_usage(
         self, room: int, cached_tokens: int, bootstrap_logprob: float | None = None
@@ -1162,9 +1034,7 @@ class PrefillCore:
             )
             writes = self._plan_writes(room, destinations, source, (None,), now)
         except TspdError as err:
-            self._abort_room(
-                room, Failure(ReasonClass.TRANSFER, f"CachePD transfer failed: {err}"), now
-            )
+            self._fail(room, Failure(ReasonClass.TRANSFER, f"CachePD transfer failed: {err}"), now)
             return
         if writes is None:
             return
@@ -1188,7 +1058,7 @@ class PrefillCore:
                 continue
             session_id = destination.session_id
             if not self.session_alive(session_id, now):
-                self._abort_room(
+                self._fail(
                     room,
                     Failure(
                         ReasonClass.PEER_DEAD,
@@ -1256,7 +1126,7 @@ class PrefillCore:
             return None
         chunks: list[tuple[int, Selection]] = []
         for row in rows:
-            sender = self._senders.get(row.rid)
+            sender = self._requests.get(row.rid)
             if sender is None:
                 continue
             room = sender.room
@@ -1292,9 +1162,7 @@ class PrefillCore:
         try:
             writes = self._plan_writes(room, destinations, selection, self._interval_fields, now)
         except TspdError as err:
-            self._abort_room(
-                room, Failure(ReasonClass.TRANSFER, f"CachePD transfer failed: {err}"), now
-            )
+            self._fail(room, Failure(ReasonClass.TRANSFER, f"CachePD transfer failed: {err}"), now)
             return
         if writes is None:
             return
@@ -1405,7 +1273,7 @@ class PrefillCore:
                 room,
             )
         else:
-            self._abort_room(room, Failure(cls, f"CachePD transfer failed: {error}"), now)
+            self._fail(room, Failure(cls, f"CachePD transfer failed: {error}"), now)
         if close is not None:
             # The Decode is probably gone: close its socket once the failure notices
             # just queued had their moment; a later message reopens it.
@@ -1440,9 +1308,7 @@ class PrefillCore:
             # Not notified: that route is the one that cannot be reached.
             kept = [d for d in destinations[room] if d.session_id not in sessions]
             destinations[room] = kept
-            self._abort_room(
-                room, Failure(ReasonClass.PEER_DEAD, f"Decode unreachable: {error}"), now
-            )
+            self._fail(room, Failure(ReasonClass.PEER_DEAD, f"Decode unreachable: {error}"), now)
 
     # ------------------------------------------------------------------ timers
 
