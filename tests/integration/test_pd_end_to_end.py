@@ -35,6 +35,7 @@ from tspd.demo.workload import Workload
 from tspd.shell.arena import HostArena, fill_room, verify_room
 from tspd.shell.bootstrap import open_bootstrap_server
 from tspd.shell.decode import DecodePeer, DecodeSettings, open_decode_peer
+from tspd.shell.engine_setup import open_mooncake_engine
 from tspd.shell.offload import EngineRunner
 from tspd.shell.ports import free_port
 from tspd.shell.prefill import (
@@ -48,7 +49,6 @@ from tspd.testing.layouts import PageAllocator
 from tspd.testing.procs import stop_process
 
 pytest.importorskip("mooncake.engine")
-from tspd.engines.mooncake import MooncakeEngine
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]
 
@@ -202,21 +202,26 @@ def _prefill_config(workload: Workload, **changes: Any) -> PrefillConfig:
 
 
 @asynccontextmanager
+async def mooncake_runner() -> AsyncIterator[EngineRunner]:
+    """A Mooncake engine on 127.0.0.1 behind an EngineRunner, built and closed in
+    worker threads."""
+    async with open_mooncake_engine("127.0.0.1") as engine:
+        yield EngineRunner(engine)
+
+
+@asynccontextmanager
 async def in_process_prefill(
     workload: Workload, **changes: Any
 ) -> AsyncIterator[tuple[PrefillPeer, str]]:
     """A bootstrap server and one Prefill rank (TP 1) on Mooncake, in this process."""
     config = _prefill_config(workload, **changes)
-    engine = EngineRunner(MooncakeEngine("127.0.0.1"))
-    try:
+    async with mooncake_runner() as engine:
         with HostArena.for_contract(config.contract) as arena:
             async with open_bootstrap_server() as server:
                 settings = PrefillSettings(bootstrap_addr=server.address)
                 async with open_prefill_peer(config, engine, arena, settings=settings) as peer:
                     assert peer.registered_with_bootstrap
                     yield peer, server.address
-    finally:
-        engine.close()
 
 
 async def poll_for(peer: PrefillPeer | DecodePeer, rid: str, limit: float = 30) -> Event:
@@ -434,15 +439,15 @@ async def test_sleep_releases_and_wake_restores_the_registered_arena(
         ) as decode:
             peer.register_request("held", 450)
             with pytest.raises(ReleaseRefused, match=r"rooms \[450\]"):
-                peer.release_registration()
+                await peer.release_registration()
             assert isinstance(await poll_for(peer, "held"), Bootstrapped)
             peer.abort(450, "the engine went to sleep")
             assert isinstance(await poll_for(peer, "held"), Failed)
             assert (await decode.wait("room", room=450))["reason"] == (
                 "Failed to get kvcache from prefill instance, it might be dead"
             )
-            peer.release_registration()
-            peer.restore_registration()
+            await peer.release_registration()
+            await peer.restore_registration()
             assert isinstance(await prefill_room(peer, workload, 451), Succeeded)
             assert (await decode.wait("room", room=451))["ok"]
         _assert_prefill_empty(peer)
@@ -462,11 +467,13 @@ async def test_prefill_killed_fails_the_room_by_heartbeat(nursery: trio.Nursery)
     )
     await server.ready.wait()
     contract = workload.contract(1)
-    engine = EngineRunner(MooncakeEngine("127.0.0.1"))
     try:
-        async with role_process(
-            nursery, workload, "prefill", "--rooms", "500:501", "--bootstrap", bootstrap
-        ) as prefill:
+        async with (
+            mooncake_runner() as engine,
+            role_process(
+                nursery, workload, "prefill", "--rooms", "500:501", "--bootstrap", bootstrap
+            ) as prefill,
+        ):
             await prefill.wait("ready")
             with HostArena.for_contract(contract) as arena:
                 config = DecodeConfig(1, 0, contract, 1, "", "", 1, heartbeat_max_failures=2)
@@ -492,7 +499,6 @@ async def test_prefill_killed_fails_the_room_by_heartbeat(nursery: trio.Nursery)
     finally:
         with contextlib.suppress(ProcessLookupError):
             server.process.kill()
-        engine.close()
 
 
 async def test_decode_in_process_verifies_a_prefill_process(nursery: trio.Nursery) -> None:
@@ -509,11 +515,13 @@ async def test_decode_in_process_verifies_a_prefill_process(nursery: trio.Nurser
     )
     await server.ready.wait()
     contract = workload.contract(1)
-    engine = EngineRunner(MooncakeEngine("127.0.0.1"))
     try:
-        async with role_process(
-            nursery, workload, "prefill", "--rooms", "600:604", "--bootstrap", bootstrap
-        ) as prefill:
+        async with (
+            mooncake_runner() as engine,
+            role_process(
+                nursery, workload, "prefill", "--rooms", "600:604", "--bootstrap", bootstrap
+            ) as prefill,
+        ):
             await prefill.wait("ready")
             with HostArena.for_contract(contract) as arena:
                 config = DecodeConfig(1, 0, contract, 1, "", "", 1)
@@ -541,7 +549,6 @@ async def test_decode_in_process_verifies_a_prefill_process(nursery: trio.Nurser
     finally:
         with contextlib.suppress(ProcessLookupError):
             server.process.kill()
-        engine.close()
 
 
 async def test_cancelling_a_peer_mid_transfer_leaves_no_thread_or_socket(

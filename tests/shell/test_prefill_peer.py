@@ -196,12 +196,12 @@ async def test_conflicting_registration_is_rejected_and_answered_by_route(rig: R
 async def test_release_is_refused_while_a_request_is_tracked(rig: Rig) -> None:
     rig.peer.register_request("s", 41)
     with pytest.raises(ReleaseRefused, match=r"rooms \[41\]"):
-        rig.peer.release_registration()
+        await rig.peer.release_registration()
     rig.peer.abort(41, "test")
     await _poll_until(rig.peer, Failed, "s")
-    rig.peer.release_registration()
+    await rig.peer.release_registration()
     assert rig.peer.arena.base not in rig.peer.engine.engine.regions()  # type: ignore[attr-defined]
-    rig.peer.restore_registration()
+    await rig.peer.restore_registration()
     assert rig.peer.arena.base in rig.peer.engine.engine.regions()  # type: ignore[attr-defined]
 
 

@@ -6,7 +6,7 @@ Measured, with ``time.perf_counter`` loops after a warmup (best of a few rounds)
   the same trigger through a ``transitions.Machine`` built from the same
   declaration — the reason the hot path uses the table (docs/state-machines.md);
 * one request's whole control-plane journey through a Prefill core and a Decode
-  core wired by :class:`~tspd.testing.core_pair.CorePair` (registration, route,
+  core wired by :class:`~tspd.bench.pair.WiredCores` (registration, route,
   pre-allocation, hand-over, copy planning, status, polls), with tiny pages so the
   byte copies do not dominate, for equal TP and for Prefill TP2 → Decode TP1;
 * one pre-allocation handled by a Prefill core (decode, registration lookup,
@@ -32,11 +32,11 @@ from rich.console import Console
 from rich.table import Table
 
 from tspd.bench.core import fresh_manifest, measure
+from tspd.bench.pair import WiredCores
 from tspd.core import wire
 from tspd.core.machines import PREFILL_ROOM, PREFILL_ROOM_TABLE, PrefillTrigger, RoomState
 from tspd.core.prefill import PrefillConfig, PrefillCore
 from tspd.layouts import mha_contract
-from tspd.testing.core_pair import CorePair
 
 __all__ = ["RoomRow", "RoomSizes", "rooms", "run_room_benchmarks"]
 
@@ -118,13 +118,12 @@ def _journey_row(label: str, prefill_tp: int, decode_tp: int, sizes: RoomSizes) 
             for _ in range(tp)
         ]
 
-    pair = CorePair(contracts(prefill_tp), contracts(decode_tp))
+    pair = WiredCores(contracts(prefill_tp), contracts(decode_tp))
     rooms = itertools.count()
 
     def journey() -> None:
         room = next(rooms)
-        pair.full_journey(f"r{room}", room, prompt_len=16)
-        pair.release_room(room)
+        pair.journey(f"r{room}", room, prompt_len=16)
 
     try:
         return RoomRow(label, _micros(journey, sizes), "request")
@@ -167,7 +166,7 @@ def _preallocation_row(sizes: RoomSizes) -> RoomRow:
     )
 
 
-def _in_flight_pair(tracked: int, *, claimed: bool) -> CorePair:
+def _in_flight_pair(tracked: int, *, claimed: bool) -> WiredCores:
     """A TP1 -> TP1 pair with ``tracked`` requests pre-allocated, one 4-token page
     each, and never handed over. ``claimed``: Prefill registered them too (its rooms
     are ``Bootstrapped``); otherwise its rooms are unclaimed (each holds a TTL)."""
@@ -184,7 +183,7 @@ def _in_flight_pair(tracked: int, *, claimed: bool) -> CorePair:
             )
         ]
 
-    pair = CorePair(contract(), contract())
+    pair = WiredCores(contract(), contract())
     for room in range(tracked):
         pair.register_decode(f"r{room}", room)
         if claimed:

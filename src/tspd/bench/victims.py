@@ -477,11 +477,14 @@ def decode_config(contract: CacheContract, **changes: Any) -> DecodeConfig:
     return DecodeConfig(**values)
 
 
-def _mooncake() -> Any:
-    from tspd.engines.mooncake import MooncakeEngine
+@asynccontextmanager
+async def _mooncake() -> AsyncIterator[Any]:
+    """A Mooncake engine behind an EngineRunner, built and closed in worker threads."""
+    from tspd.shell.engine_setup import open_mooncake_engine
     from tspd.shell.offload import EngineRunner
 
-    return EngineRunner(MooncakeEngine("127.0.0.1"))
+    async with open_mooncake_engine("127.0.0.1") as engine:
+        yield EngineRunner(engine)
 
 
 @asynccontextmanager
@@ -493,8 +496,7 @@ async def mooncake_prefill(
     **config: Any,
 ) -> AsyncIterator[PrefillPeer]:
     """One Prefill rank on Mooncake, registered with ``bootstrap`` (when given)."""
-    engine = _mooncake()
-    try:
+    async with _mooncake() as engine:
         with HostArena.for_contract(contract) as arena:
             async with open_prefill_peer(
                 prefill_config(contract, **config),
@@ -503,8 +505,6 @@ async def mooncake_prefill(
                 settings=PrefillSettings(bootstrap_addr=bootstrap, **(settings or {})),
             ) as peer:
                 yield peer
-    finally:
-        engine.close()
 
 
 @asynccontextmanager
@@ -512,8 +512,7 @@ async def mooncake_decode(
     contract: CacheContract, *, settings: Mapping[str, Any] | None = None, **config: Any
 ) -> AsyncIterator[DecodePeer]:
     """One Decode rank on Mooncake."""
-    engine = _mooncake()
-    try:
+    async with _mooncake() as engine:
         with HostArena.for_contract(contract) as arena:
             async with open_decode_peer(
                 decode_config(contract, **config),
@@ -522,8 +521,6 @@ async def mooncake_decode(
                 settings=DecodeSettings(**(settings or {})),
             ) as peer:
                 yield peer
-    finally:
-        engine.close()
 
 
 # ------------------------------------------------------------------- child processes

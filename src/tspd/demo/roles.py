@@ -28,7 +28,6 @@ token towards the bootstrap server.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections import deque
@@ -59,13 +58,13 @@ from tspd.core.schedule import ProducerSchedule
 from tspd.demo.failures import SessionFailures
 from tspd.demo.report import Reporter
 from tspd.demo.workload import Workload
-from tspd.engines.mooncake import MooncakeEngine
 from tspd.layouts import PageAllocator
 from tspd.log import component_logger
 from tspd.shell.agreement import ReplicaAgreement, SingleRank, ZmqAgreement
 from tspd.shell.arena import HostArena, clear_room, fill_room, verify_room
 from tspd.shell.bootstrap import BootstrapClient
 from tspd.shell.decode import DecodePeer, DecodeSettings, open_decode_peer
+from tspd.shell.engine_setup import open_mooncake_engine
 from tspd.shell.metrics import TspdMetrics, open_metrics_server
 from tspd.shell.offload import EngineRunner
 from tspd.shell.prefill import PrefillPeer, PrefillSettings, RemoteDecodeRow, open_prefill_peer
@@ -236,13 +235,17 @@ def _check_capacity(opts: RoleOptions, contract: CacheContract) -> None:
 _POLL_MAX_DESCRIPTORS = 1 << 16
 
 
-def _engine(host: str) -> EngineRunner:
-    return EngineRunner.from_env(
-        MooncakeEngine(host),
-        os.environ,
-        default_concurrency=1,
-        poll_max_descriptors=_POLL_MAX_DESCRIPTORS,
-    )
+@asynccontextmanager
+async def _engine(host: str) -> AsyncIterator[EngineRunner]:
+    """This rank's Mooncake engine for the block, built and closed in a worker thread
+    (initialising and closing one must not stall the loop: tspd.shell.engine_setup)."""
+    async with open_mooncake_engine(host) as mooncake:
+        yield EngineRunner.from_env(
+            mooncake,
+            os.environ,
+            default_concurrency=1,
+            poll_max_descriptors=_POLL_MAX_DESCRIPTORS,
+        )
 
 
 async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
@@ -271,10 +274,10 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
     )
     pages = PageAllocator(contract, contiguous=not opts.scatter)
     counter = StepCounter() if schedule is not None else None
-    engine = _engine(opts.host)
     failed = 0
-    with HostArena.for_contract(contract) as arena, contextlib.closing(engine):
+    with HostArena.for_contract(contract) as arena:
         async with (
+            _engine(opts.host) as engine,
             _metrics(opts) as (metrics, metrics_url),
             _agreement(opts) as agreement,
             open_prefill_peer(
@@ -460,17 +463,16 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
     )
     await _wait_for_prefill(opts, reporter)
     pages = PageAllocator(contract, contiguous=not opts.scatter)
-    engine = _engine(opts.host)
     failed = 0
     # Every room comes from the one Prefill instance at opts.bootstrap: its failures
     # are logged once for it, with their count, not once per room.
     failures = SessionFailures(lambda room: opts.bootstrap, [opts.bootstrap])
     with (
         HostArena.for_contract(contract) as arena,
-        contextlib.closing(engine),
         failures.collapse(component_logger("decode")),
     ):
         async with (
+            _engine(opts.host) as engine,
             _metrics(opts) as (metrics, metrics_url),
             _agreement(opts) as agreement,
             open_decode_peer(

@@ -4,9 +4,19 @@ A transfer engine moves bytes from this rank's registered memory into a peer's
 registered memory (the push model of docs/protocol.md#proto-transfer-engine: only
 Prefill writes). Engines are
 **synchronous** and may block or busy-spin for as long as a transfer takes
-(Mooncake's sync calls spin until done or ``MC_TRANSFER_TIMEOUT``), so they are
-never called from the Trio thread: the shell offloads every call through
+(Mooncake's sync calls spin until done or ``MC_TRANSFER_TIMEOUT``), so writes are
+never called from the Trio thread: the shell offloads every write through
 :class:`tspd.shell.offload.EngineRunner`.
+
+The other calls — building the engine, :meth:`~TransferEngine.register_memory`,
+:meth:`~TransferEngine.unregister_memory` and :meth:`~TransferEngine.close` — are
+the engine's *setup* calls, and each engine says whether they may block with
+:attr:`~TransferEngine.blocking_setup`: ``True`` for Mooncake (registering pins the
+memory, which on RDMA takes seconds for gigabytes), ``False`` for the in-process
+engines of :mod:`tspd.engines.memory` (a dict update under a lock). The shell makes
+blocking setup calls in a worker thread and the others inline
+(:mod:`tspd.shell.engine_setup`); :func:`setup_blocks` reads the flag, taking an
+engine that does not declare it to block.
 
 An engine may also offer :class:`PollingEngine`, a non-blocking pair — submit one
 write, then check on it — that the shell drives from the Trio thread for small
@@ -33,6 +43,7 @@ __all__ = [
     "TransferError",
     "WriteTicket",
     "as_address_list",
+    "setup_blocks",
 ]
 
 #: Addresses or lengths of one batch: a sequence of ints or a 1-D integer array.
@@ -67,13 +78,26 @@ class TransferEngine(Protocol):
     """A synchronous transfer engine (docs/protocol.md#proto-transfer-engine).
 
     ``session_id`` is this engine's identity, ``"{host}:{rpc_port}"``, which peers
-    use as the target of their writes. Every method may block; callers on a Trio
-    loop go through :class:`tspd.shell.offload.EngineRunner`.
+    use as the target of their writes. Writes may block; callers on a Trio loop go
+    through :class:`tspd.shell.offload.EngineRunner`. The setup calls
+    (registration, unregistration, :meth:`close`) block only if
+    :attr:`blocking_setup` says so; callers on a Trio loop go through
+    :mod:`tspd.shell.engine_setup`.
     """
 
     @property
     def session_id(self) -> str:
         """This engine's session id, ``"{host}:{rpc_port}"``."""
+        ...
+
+    @property
+    def blocking_setup(self) -> bool:
+        """Whether building this engine, :meth:`register_memory`,
+        :meth:`unregister_memory` and :meth:`close` may block the calling thread for
+        longer than a Trio loop may stall (more than about a millisecond). ``True``
+        makes the shell run them in a worker thread; ``False`` promises they are
+        bookkeeping that returns at once, and the shell calls them inline. An
+        implementation usually declares it as a class attribute."""
         ...
 
     def register_memory(self, addr: int, length: int) -> None:
@@ -154,12 +178,18 @@ class AsyncTransferEngine(Protocol):
     :class:`tspd.shell.offload.EngineRunner` provides it around any synchronous
     engine (a thread per write); :class:`tspd.testing.fake_engine.AsyncFakeEngine`
     provides it natively with ``trio.sleep`` latency for ``MockClock`` tests.
-    Registration stays synchronous: it is a bookkeeping call of tens of µs.
+    The setup calls stay synchronous, with :attr:`blocking_setup` saying whether
+    they may block: :mod:`tspd.shell.engine_setup` makes them from Trio.
     """
 
     @property
     def session_id(self) -> str:
         """This engine's session id, ``"{host}:{rpc_port}"``."""
+        ...
+
+    @property
+    def blocking_setup(self) -> bool:
+        """As :attr:`TransferEngine.blocking_setup` (a runner reports its engine's)."""
         ...
 
     def register_memory(self, addr: int, length: int) -> None:
@@ -184,6 +214,13 @@ class AsyncTransferEngine(Protocol):
     def close(self) -> None:
         """Release the engine; idempotent."""
         ...
+
+
+def setup_blocks(engine: TransferEngine | AsyncTransferEngine) -> bool:
+    """Whether ``engine``'s setup calls may block (its
+    :attr:`~TransferEngine.blocking_setup`); an engine written before the flag
+    existed, which does not declare it, is taken to block."""
+    return bool(getattr(engine, "blocking_setup", True))
 
 
 def as_address_list(values: AddressList, *, what: str) -> list[int]:

@@ -8,8 +8,14 @@ tspd works on hosts without it; a missing package or system library becomes an
 
 Every method here blocks the calling thread, and the write calls busy-spin a core
 until the transfer completes or fails (bounded by ``MC_TRANSFER_TIMEOUT``, default
-30 s, at least 5 s). Never call them on a Trio thread: go through
-:class:`tspd.shell.offload.EngineRunner`.
+30 s, at least 5 s). Never call them on a Trio thread: writes go through
+:class:`tspd.shell.offload.EngineRunner`, and the setup calls —
+building the engine (``initialize`` opens its listener and, on RDMA, its devices),
+:meth:`~MooncakeEngine.register_memory` and :meth:`~MooncakeEngine.unregister_memory`
+(registering pins the memory: seconds for gigabytes on RDMA) and
+:meth:`~MooncakeEngine.close` — through :mod:`tspd.shell.engine_setup`
+(:func:`~tspd.shell.engine_setup.open_mooncake_engine` builds and closes one in a
+worker thread), as ``blocking_setup = True`` asks.
 
 Batching: Mooncake's TCP transport queues at most 2,048 transfers per peer
 (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``); a call with more descriptors fails at
@@ -135,6 +141,10 @@ class MooncakeEngine:
     ``"tcp"`` (TokenSpeed hard-codes ``"rdma"``, which falls back to TCP on hosts
     without an HCA); ``device`` names the RDMA devices (``""`` = auto-detect).
     """
+
+    #: Building, registering, unregistering and closing block (see the module
+    #: docstring): the shell makes those calls in a worker thread.
+    blocking_setup: Final = True
 
     def __init__(
         self,

@@ -32,7 +32,9 @@ plain Decode refuses a rank whose route carries a key the same way.
 
 Nothing a peer sends and no route that cannot be planned raises into the caller:
 the room fails with a reason, and the scheduler sees a ``Failed`` event. The
-arena is registered with the engine so Prefill ranks can write into it.
+arena is registered with the engine so Prefill ranks can write into it, and
+deregistered on exit, through :mod:`tspd.shell.engine_setup` (in a worker thread for
+an engine whose setup blocks, inline for the in-process engines).
 """
 
 from __future__ import annotations
@@ -63,11 +65,12 @@ from tspd.core.machines import RoomState
 from tspd.core.manifest import BlockManifest
 from tspd.core.trace import RoomTrace
 from tspd.core.wire import MAX_STATUS_FRAME_BYTES
-from tspd.engines.base import AsyncTransferEngine, TransferEngine, TransferError
+from tspd.engines.base import AsyncTransferEngine, TransferEngine
 from tspd.log import component_logger
 from tspd.shell.agreement import ReplicaAgreement, SingleRank
 from tspd.shell.arena import HostArena
 from tspd.shell.bootstrap import BootstrapClient
+from tspd.shell.engine_setup import register_memory, unregister_on_exit
 from tspd.shell.metrics import TspdMetrics
 from tspd.shell.nursery import single_error
 from tspd.shell.observe import PeerObserver
@@ -459,7 +462,7 @@ async def open_decode_peer(
                 port=port,
             )
         )
-        engine.register_memory(arena.base, arena.size)
+        await register_memory(engine, arena.base, arena.size)
     except BaseException:
         status.close()
         if curve is not None:
@@ -504,7 +507,4 @@ async def open_decode_peer(
         status.close()
         if curve is not None:
             curve.close()
-        try:
-            engine.unregister_memory(arena.base)
-        except TransferError as err:
-            log.warning("could not deregister the Decode arena on shutdown: %s", err)
+        await unregister_on_exit(engine, arena.base, what="the Decode arena", logger=log)

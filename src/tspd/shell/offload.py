@@ -33,6 +33,11 @@ cancelled caller therefore waits for the write to finish and gets its outcome: a
 caller's next checkpoint. A cancel that arrives while waiting for the limiter
 cancels the write before it starts.
 
+The runner's setup calls (``register_memory``, ``unregister_memory``, ``close``)
+call the engine's in the calling thread and report its ``blocking_setup``; from
+Trio, make them through :mod:`tspd.shell.engine_setup`, which takes a worker thread
+for an engine whose setup blocks (Mooncake) and stays inline otherwise.
+
 :func:`wait_step` waits until a producer step counter has passed a target step
 (docs/protocol.md#proto-step-counter). The default polls the counter on the Trio thread:
 a read is one aligned 8-byte load, far cheaper than a thread hop, so the loop stays
@@ -62,6 +67,7 @@ from tspd.engines.base import (
     TransferError,
     WriteTicket,
     as_address_list,
+    setup_blocks,
 )
 
 __all__ = [
@@ -119,8 +125,8 @@ class EngineRunner:
     ``limiter`` bounds concurrent writes (threads and polled writes alike) for this
     engine; the default allows :data:`DEFAULT_WRITE_CONCURRENCY`.
     ``poll_max_descriptors`` is the largest batch written by polling (0: always a
-    thread). Registration calls run inline: they are tens of microseconds and must
-    happen in order with the caller's own state.
+    thread). The setup calls run in the calling thread; :attr:`blocking_setup` is
+    the engine's, for :mod:`tspd.shell.engine_setup` to decide where to make them.
     """
 
     def __init__(
@@ -180,12 +186,20 @@ class EngineRunner:
         """Writes started and not yet finished (including those waiting for the limiter)."""
         return self._in_flight
 
+    @property
+    def blocking_setup(self) -> bool:
+        """Whether the engine's setup calls may block
+        (:attr:`~tspd.engines.base.TransferEngine.blocking_setup`)."""
+        return setup_blocks(self.engine)
+
     def register_memory(self, addr: int, length: int) -> None:
-        """As :meth:`TransferEngine.register_memory`, inline."""
+        """As :meth:`~tspd.engines.base.TransferEngine.register_memory`, in the calling
+        thread (from Trio: :func:`tspd.shell.engine_setup.register_memory`)."""
         self.engine.register_memory(addr, length)
 
     def unregister_memory(self, addr: int) -> None:
-        """As :meth:`TransferEngine.unregister_memory`, inline."""
+        """As :meth:`~tspd.engines.base.TransferEngine.unregister_memory`, in the calling
+        thread (from Trio: :func:`tspd.shell.engine_setup.unregister_memory`)."""
         self.engine.unregister_memory(addr)
 
     async def batch_write(
@@ -346,7 +360,9 @@ class EngineRunner:
             raise error
 
     def close(self) -> None:
-        """Close the engine. Call it only when no write is in flight."""
+        """Close the engine, in the calling thread (from Trio:
+        :func:`tspd.shell.engine_setup.close_engine`). Call it only when no write is
+        in flight."""
         self.engine.close()
 
 

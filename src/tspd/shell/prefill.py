@@ -33,6 +33,9 @@ commands it queued, in order. The scheduler-side API (``register_request``,
 thread; the forward-side API (:class:`PrefillOutbox`) is callable from any
 thread and never waits for a transfer. Leaving the block cancels every task,
 closes every socket and deregisters the arena; no thread or socket outlives it.
+Registering and deregistering the arena (on entry and exit, and for sleep/wake) go
+through :mod:`tspd.shell.engine_setup`: in a worker thread for an engine whose setup
+blocks (Mooncake pins the arena), inline for the in-process engines.
 """
 
 from __future__ import annotations
@@ -64,11 +67,12 @@ from tspd.core.machines import RoomState
 from tspd.core.prefill import ExtendRow, PrefillConfig, PrefillCore
 from tspd.core.trace import RoomTrace
 from tspd.core.wire import MAX_CONTROL_FRAME_BYTES
-from tspd.engines.base import AsyncTransferEngine, TransferError
+from tspd.engines.base import AsyncTransferEngine
 from tspd.log import component_logger
 from tspd.shell.agreement import ReplicaAgreement, SingleRank
 from tspd.shell.arena import HostArena
 from tspd.shell.bootstrap import BootstrapClient
+from tspd.shell.engine_setup import register_memory, unregister_memory, unregister_on_exit
 from tspd.shell.metrics import TspdMetrics
 from tspd.shell.nursery import single_error
 from tspd.shell.observe import PeerObserver
@@ -188,6 +192,8 @@ class PrefillPeer:
         )
         self._rooms_by_rid: dict[str, int] = {}
         self._memory_registered = False
+        #: Held while the arena's registration changes (sleep/wake).
+        self._registration_lock = trio.Lock()
         self._portal: LoopPortal | None = None
         self._outbox: PrefillOutbox | None = None
         self._activity = trio.Event()
@@ -392,25 +398,28 @@ class PrefillPeer:
 
     # -- sleep / wake --------------------------------------------------------------
 
-    def release_registration(self) -> None:
+    async def release_registration(self) -> None:
         """Deregister the arena from the transfer engine for a sleep
         (docs/protocol.md#proto-sleep-wake).
         Refused while a tracked request may still send; unclaimed rooms do not
-        hold it."""
-        try:
-            self.core.check_release()
-        except ProtocolError as err:
-            raise ReleaseRefused(str(err)) from None
-        if self._memory_registered:
-            self.engine.unregister_memory(self.arena.base)
-            self._memory_registered = False
+        hold it. A blocking engine deregisters in a worker thread (never abandoned:
+        a cancel lands once it is done)."""
+        async with self._registration_lock:
+            try:
+                self.core.check_release()
+            except ProtocolError as err:
+                raise ReleaseRefused(str(err)) from None
+            if self._memory_registered:
+                await unregister_memory(self.engine, self.arena.base)
+                self._memory_registered = False
 
-    def restore_registration(self) -> None:
+    async def restore_registration(self) -> None:
         """Register the arena again after a wake, at the same address and on the same
-        session (no peer needs telling)."""
-        if not self._memory_registered:
-            self.engine.register_memory(self.arena.base, self.arena.size)
-            self._memory_registered = True
+        session (no peer needs telling); in a worker thread for a blocking engine."""
+        async with self._registration_lock:
+            if not self._memory_registered:
+                await register_memory(self.engine, self.arena.base, self.arena.size)
+                self._memory_registered = True
 
     # -- tasks -------------------------------------------------------------------
 
@@ -606,7 +615,7 @@ async def open_prefill_peer(
     )
     peer.observer.watch(core, peer.statistics)
     try:
-        engine.register_memory(arena.base, arena.size)
+        await register_memory(engine, arena.base, arena.size)
         peer._memory_registered = True
         with single_error():
             async with (
@@ -633,8 +642,5 @@ async def open_prefill_peer(
         if curve is not None:
             curve.close()
         if peer._memory_registered:
-            try:
-                engine.unregister_memory(arena.base)
-            except TransferError as err:
-                log.warning("could not deregister the Prefill arena on shutdown: %s", err)
+            await unregister_on_exit(engine, arena.base, what="the Prefill arena", logger=log)
             peer._memory_registered = False
