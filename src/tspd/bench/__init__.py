@@ -1,1 +1,3 @@
 """Benchmarks behind ``tspd bench`` (measurements, never assertions)."""
+
+__all__: list[str] = []

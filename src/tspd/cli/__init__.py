@@ -11,6 +11,8 @@ from typing import Any
 
 import click
 
+__all__ = ["LazyGroup", "main"]
+
 # name -> "module:attribute" of a click command or group.
 _COMMANDS: dict[str, str] = {
     "wire": "tspd.cli.wire:wire",

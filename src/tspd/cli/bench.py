@@ -6,6 +6,8 @@ import click
 
 from tspd.cli import LazyGroup
 
+__all__ = ["bench"]
+
 # name -> "module:attribute" of the benchmark's click command.
 _BENCHMARKS: dict[str, str] = {
     "core": "tspd.bench.core:core",

@@ -4,3 +4,5 @@ Nothing in this package performs I/O, awaits, starts threads or reads a clock: t
 comes in as an argument and actions go out as data. It imports none of trio, zmq or
 mooncake (``tests/core/test_layering.py`` enforces this).
 """
+
+__all__: list[str] = []

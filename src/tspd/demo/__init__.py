@@ -1,1 +1,3 @@
 """The ``tspd demo`` roles: workload, role runners, reports and the orchestrator."""
+
+__all__: list[str] = []

@@ -1,1 +1,3 @@
 """Transfer engines behind one small synchronous protocol; only the shell offloads them."""
+
+__all__: list[str] = []

@@ -20,3 +20,5 @@ Importing this package does not import trio-asyncio: :mod:`tspd.hosts.aio`
 loads it only when a bridge opens, because it patches asyncio process-wide and
 guest mode cannot start on the loop it installs.
 """
+
+__all__: list[str] = []

@@ -44,3 +44,22 @@ from tspd.sim.result import Outcomes as Outcomes
 from tspd.sim.result import SimResult as SimResult
 from tspd.sim.sweeps import SweepResult as SweepResult
 from tspd.sim.sweeps import sweep as sweep
+
+__all__ = [
+    "Check",
+    "Cluster",
+    "Faults",
+    "InstanceShape",
+    "Outcomes",
+    "SimConfig",
+    "SimResult",
+    "SimulationFailed",
+    "SweepResult",
+    "Timings",
+    "Violation",
+    "format_faults",
+    "parse_faults",
+    "parse_shapes",
+    "run",
+    "sweep",
+]
