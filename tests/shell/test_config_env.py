@@ -35,8 +35,8 @@ def test_thread_pool_variable_bounds_concurrent_writes() -> None:
     assert runner.limiter.total_tokens == 5
     runner = EngineRunner.from_env(FakeEngine(fabric=fabric), {})
     assert runner.limiter.total_tokens == DEFAULT_WRITE_CONCURRENCY
-    runner = EngineRunner.from_env(FakeEngine(fabric=fabric), {}, default_concurrency=1)
-    assert runner.limiter.total_tokens == 1
+    runner = EngineRunner.from_env(FakeEngine(fabric=fabric), {}, default_concurrency=3)
+    assert runner.limiter.total_tokens == 3
     with pytest.raises(ConfigError, match=ENV_THREAD_POOL_SIZE):
         EngineRunner.from_env(FakeEngine(fabric=fabric), {ENV_THREAD_POOL_SIZE: "lots"})
 

@@ -211,11 +211,11 @@ async def _warm(runner: EngineRunner, peer: str, src: int, dst: int) -> None:
 
 async def test_small_writes_to_a_reached_peer_are_polled_not_threaded() -> None:
     a, b, src, dst = _pair()
-    runner = EngineRunner(a)
+    runner = EngineRunner(a, poll_max_descriptors=4)
     s, d = int(src.ctypes.data), int(dst.ctypes.data)
     await _warm(runner, b.session_id, s, d)
     assert (runner.thread_writes, runner.polled_writes) == (1, 0)
-    # Four copies (the default limit), as arrays like a CopyPlan's columns.
+    # Four copies (the limit given), as arrays like a CopyPlan's columns.
     offsets = np.arange(4, dtype=np.int64) * 64
     await runner.batch_write(b.session_id, s + offsets, d + offsets[::-1], np.full(4, 64))
     assert (runner.thread_writes, runner.polled_writes) == (1, 1)

@@ -222,17 +222,6 @@ def _check_capacity(opts: RoleOptions, contract: CacheContract) -> None:
         )
 
 
-#: Every write to a peer already reached is polled from the Trio thread, however many
-#: copies it has. A demo room is ~17 copies of 4 KiB a Prefill rank (one per page and
-#: field: each rank's heads are half of every Decode page), and the transfer workers
-#: group the rooms handed over together into one write of up to hundreds of copies.
-#: Through a worker thread, Mooncake's sync batch write busy-spins a core for the
-#: whole write, which on a 2-core host takes it from the other ranks. Measured
-#: (``tspd demo``, 300 rooms, 16 in flight, 2 runs each): thread 270-282 rooms/s,
-#: hand-over -> done p50 33-34 ms, Prefill CPU 5.2-5.3 ms a room; polled 339-341
-#: rooms/s, 20-21 ms, 3.8-3.9 ms. The first write to a peer still goes through a
-#: thread (it may block on the handshake).
-_POLL_MAX_DESCRIPTORS = 1 << 16
 
 
 @asynccontextmanager
@@ -240,12 +229,10 @@ async def _engine(host: str) -> AsyncIterator[EngineRunner]:
     """This rank's Mooncake engine for the block, built and closed in a worker thread
     (initialising and closing one must not stall the loop: tspd.shell.engine_setup)."""
     async with open_mooncake_engine(host) as mooncake:
-        yield EngineRunner.from_env(
-            mooncake,
-            os.environ,
-            default_concurrency=1,
-            poll_max_descriptors=_POLL_MAX_DESCRIPTORS,
-        )
+        # The library's defaults are the settings measured fastest on small hosts
+        # (tspd.shell.offload): one write at a time, every write to a reached peer
+        # polled on the Trio thread.
+        yield EngineRunner.from_env(mooncake, os.environ)
 
 
 async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:

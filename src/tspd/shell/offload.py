@@ -14,8 +14,9 @@ limit). A ``batch_write`` takes one of two ways:
   millisecond; a write expected to take milliseconds sleeps most of that first.
   Measured on the 2-core host with Mooncake over loopback TCP: a 4 KiB write 52 µs
   polled against 148 µs through a thread, four 4 KiB copies 137 against 272 µs;
-  at eight copies the thread wins (each submit is a separate transfer), hence the
-  default of four;
+  at eight copies one write alone is faster through a thread (each submit is a
+  separate transfer), but under load polling wins, hence the default of polling
+  every write to a reached peer (:data:`DEFAULT_POLL_MAX_DESCRIPTORS`);
 * **in a worker thread** — everything else, via ``trio.to_thread.run_sync``: big
   batches (one engine call for all their descriptors), engines without the
   polling pair, and the first write to a peer (opening a peer's connection can
@@ -78,11 +79,20 @@ __all__ = [
     "wait_step",
 ]
 
-DEFAULT_WRITE_CONCURRENCY: Final = 2
-"""Concurrent writes per engine when no limiter is given."""
+DEFAULT_WRITE_CONCURRENCY: Final = 1
+"""Concurrent writes per engine when no limiter is given. Mooncake's synchronous
+calls busy-spin a core each: on a small host one write at a time is the fastest
+setting (the demo and ``tspd bench pd`` measure with it)."""
 
-DEFAULT_POLL_MAX_DESCRIPTORS: Final = 4
-"""Largest batch written by polling on the Trio thread (see the module docstring)."""
+DEFAULT_POLL_MAX_DESCRIPTORS: Final = 1 << 16
+"""Largest batch written by polling on the Trio thread (see the module docstring):
+every write to a reached peer, however many copies. Alone, a batch of more than
+four 4 KiB copies writes faster through a thread; under load the thread's busy-spin
+takes a core from the other ranks, and polling wins. Measured on the 2-core host
+(``tspd demo``, 300 rooms, 16 in flight, 2 runs each): through threads for more
+than four copies 270-282 rooms/s, hand-over -> done p50 33-34 ms, Prefill CPU
+5.2-5.3 ms a room; every write polled 339-341 rooms/s, 20-21 ms, 3.8-3.9 ms. Pass
+``poll_max_descriptors=4`` for the single-write optimum."""
 
 _WARM_PEERS: Final = 4096
 """Peers remembered as reached; the oldest is forgotten beyond this."""
