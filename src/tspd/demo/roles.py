@@ -38,7 +38,13 @@ from typing import Any, Final
 
 import trio
 
-from tspd.core.commands import Bootstrapped, Failed, RemotePrefillDone, Succeeded
+from tspd.core.commands import (
+    Bootstrapped,
+    Failed,
+    PagesReleased,
+    RemotePrefillDone,
+    Succeeded,
+)
 from tspd.core.config import (
     ENV_BOOTSTRAP_TIMEOUT,
     ENV_FAILED_SESSION_TTL,
@@ -220,8 +226,6 @@ def _check_capacity(opts: RoleOptions, contract: CacheContract) -> None:
             f"{opts.in_flight} rooms in flight of up to {most} tokens need {need} pages; "
             f"the arena has {have}: lower --in-flight or raise --pages"
         )
-
-
 
 
 @asynccontextmanager
@@ -483,6 +487,9 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
             pending = deque(workload.rooms)
             live: dict[str, tuple[int, float]] = {}
             held: dict[str, tuple[dict[str, list[int]], BlockManifest]] = {}
+            #: Failed rooms whose pages a Prefill rank may still write: reused only
+            #: after PagesReleased (docs/architecture.md#write-fencing).
+            fenced: dict[str, dict[str, list[int]]] = {}
             last_poll = trio.current_time()
             while pending or live:
                 while pending and len(live) < opts.in_flight:
@@ -512,7 +519,10 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
                             event, room, row_manifest, arena, contract, opts
                         )
                         if row_manifest is not None:
-                            pages.release(row_manifest[0])
+                            if isinstance(event, Failed) and event.pages_held:
+                                fenced[event.rid] = row_manifest[0]
+                            else:
+                                pages.release(row_manifest[0])
                         if not ok:
                             failed += 1
                             failures.add(room, reason or "no reason given")
@@ -526,6 +536,10 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
                             seen=seen,
                             trace=_failure_trace(peer, room, ok),
                         )
+                    elif isinstance(event, PagesReleased):
+                        released = fenced.pop(event.rid, None)
+                        if released is not None:
+                            pages.release(released)
                 if not events:
                     with trio.move_on_after(_IDLE_MAX):
                         await peer.wait_for_activity()
