@@ -31,7 +31,7 @@ import sys
 from typing import Final
 
 from tspd.core import wire
-from tspd.core.commands import Command, Event, SendFrames, StartTransfer
+from tspd.core.commands import Event, PrefillCommand, SendFrames, StartTransfer
 from tspd.core.errors import TspdError
 from tspd.core.machines import RoomState
 from tspd.core.manifest import build_manifest
@@ -146,7 +146,7 @@ class _Run:
             self.seen[room] = state
         self.observe(core.drain_commands())
 
-    def observe(self, commands: list[Command]) -> None:
+    def observe(self, commands: list[PrefillCommand]) -> None:
         """Track chunks handed to workers, and check write fencing: no Failed status
         goes to a Decode while a chunk of that room may still write."""
         for command in commands:

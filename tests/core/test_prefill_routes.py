@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tspd.core import wire
-from tspd.core.commands import CloseRoute, Command, Failed, RoomFailed, SendFrames
+from tspd.core.commands import CloseRoute, Failed, PrefillCommand, RoomFailed, SendFrames
 from tspd.core.errors import PlanError
 from tspd.core.poll import TransferPoll
 from tspd.testing.core_pair import CorePair
@@ -50,7 +50,7 @@ def _registration(session: str, port: int, *, size: int = 1) -> list[bytes]:
     )
 
 
-def _kinds(commands: list[Command]) -> list[str]:
+def _kinds(commands: list[PrefillCommand]) -> list[str]:
     out = []
     for c in commands:
         if isinstance(c, SendFrames):

@@ -11,6 +11,11 @@ The shell executes them in that order:
   (Decode); answer with ``parallel_info(...)`` / ``rank_info(...)``.
 * :class:`RoomFailed` — a room failed (once per room): log and count it.
 * :class:`Log` — an operator-facing message the core wants logged.
+* :class:`Rejected` — a message from a peer was refused: log (rate-limited) and count it.
+
+Each side queues only its own: :data:`PrefillCommand` (no lookups) and
+:data:`DecodeCommand` (no route closes, no transfers), so a shell's executor can be
+checked exhaustively; :data:`Command` is either.
 
 The scheduler gets *events* back from ``conclude()``: :class:`Bootstrapped`,
 :class:`Succeeded`, :class:`Failed` and (Decode) :class:`RemotePrefillDone`.
@@ -28,6 +33,7 @@ __all__ = [
     "Bootstrapped",
     "CloseRoute",
     "Command",
+    "DecodeCommand",
     "DestinationWrite",
     "Event",
     "Failed",
@@ -36,6 +42,7 @@ __all__ = [
     "Log",
     "LogLevel",
     "PagesReleased",
+    "PrefillCommand",
     "RejectReason",
     "Rejected",
     "RemotePrefillDone",
@@ -228,6 +235,16 @@ class Rejected:
     level: LogLevel = LogLevel.ERROR
 
 
+#: What :class:`~tspd.core.prefill.PrefillCore` queues: the shared commands, and route
+#: closes and transfers. Its shell executes it with an exhaustive ``match``.
+PrefillCommand = SendFrames | CloseRoute | StartTransfer | RoomFailed | Log | Rejected
+
+#: What :class:`~tspd.core.decode.DecodeCore` queues: the shared commands, and
+#: bootstrap-server lookups.
+DecodeCommand = SendFrames | FetchParallelInfo | FetchRankInfo | RoomFailed | Log | Rejected
+
+#: Any core's command, for consumers that take either side's (the simulator, the
+#: observers, the logs and metrics).
 Command = (
     SendFrames
     | CloseRoute

@@ -39,6 +39,7 @@ from typing import Any, Final, Self
 from tspd.core import wire
 from tspd.core.bootstrap import ParallelInfo, RankInfo
 from tspd.core.commands import (
+    DecodeCommand,
     Event,
     Failed,
     FetchParallelInfo,
@@ -223,7 +224,7 @@ class _Address:
     timeouts: int = 0
 
 
-class DecodeCore(RankCore[_Receiver]):
+class DecodeCore(RankCore[_Receiver, DecodeCommand]):
     """One Decode rank's requests, routes, registrations and completions. See the
     module docstring for when the shell calls what; :class:`~tspd.core.rank.RankCore`
     holds what it shares with the Prefill core (room table, traces, request

@@ -55,6 +55,7 @@ from tspd.core.commands import (
     Failed,
     Log,
     LogLevel,
+    PrefillCommand,
     Rejected,
     RejectReason,
     SendFrames,
@@ -305,7 +306,7 @@ class _PerRoom:
         self.in_flight.discard(room)
 
 
-class PrefillCore(RankCore[TrackedRequest]):
+class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
     """One Prefill rank's registrations, rooms, requests and timers. See the module
     docstring for when the shell calls what; :class:`~tspd.core.rank.RankCore` holds
     what it shares with the Decode core (room table, traces, request tracking)."""

@@ -86,10 +86,17 @@ class TrackedRequest:
 
 
 R = TypeVar("R", bound=TrackedRequest)
+#: The side's command union (:data:`~tspd.core.commands.PrefillCommand` or
+#: :data:`~tspd.core.commands.DecodeCommand`).
+C = TypeVar("C", bound=Command)
 
 
-class RankCore(Generic[R]):
-    """The side-independent half of a rank's core. ``R`` is the side's request type.
+class RankCore(Generic[R, C]):
+    """The side-independent half of a rank's core. ``R`` is the side's request type,
+    ``C`` the union of the commands the side queues: :meth:`drain_commands` returns
+    only those (and the :class:`~tspd.core.commands.Log` and
+    :class:`~tspd.core.commands.RoomFailed` this half queues, in every side's union),
+    so a shell's executor can be checked exhaustively.
 
     ``announcing``: the agreed values that announce ``Bootstrapped`` (Prefill:
     ``Bootstrapped`` and ``Success``; Decode: anything from ``Bootstrapped`` on).
@@ -107,7 +114,7 @@ class RankCore(Generic[R]):
     ) -> None:
         self._rooms = RoomTable(machine)
         self._trace = RoomTracer(side, tp_rank, trace)
-        self._commands: list[Command] = []
+        self._commands: list[C | Log | RoomFailed] = []
         #: Tracked requests by rid, in registration order.
         self._requests: dict[str, R] = {}
         self._announcing = announcing
@@ -115,7 +122,7 @@ class RankCore(Generic[R]):
 
     # ------------------------------------------------------------------ outputs
 
-    def drain_commands(self) -> list[Command]:
+    def drain_commands(self) -> list[C | Log | RoomFailed]:
         """Every command queued since the last drain, in order."""
         commands, self._commands = self._commands, []
         return commands

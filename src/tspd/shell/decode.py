@@ -30,6 +30,11 @@ Prefill rank's bootstrap route carries. A rank whose route has no key (a plain
 Prefill), or a key not on the allow-list, fails its rooms with an explicit reason; a
 plain Decode refuses a rank whose route carries a key the same way.
 
+What the Decode peer shares with the Prefill peer — the pump after every core call,
+the poll, the receive task, the queries — is :class:`~tspd.shell.peer.RankPeer`'s;
+:meth:`DecodePeer._execute` matches every :data:`~tspd.core.commands.DecodeCommand`
+exhaustively.
+
 Nothing a peer sends and no route that cannot be planned raises into the caller:
 the room fails with a reason, and the scheduler sees a ``Failed`` event. The
 arena is registered with the engine so Prefill ranks can write into it, and
@@ -40,30 +45,29 @@ an engine whose setup blocks, inline for the in-process engines).
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, final
+from typing import Any, assert_never, final
 
 import trio
 import zmq
 
 from tspd.core.bootstrap import RankInfo
 from tspd.core.commands import (
-    Command,
-    Event,
+    DecodeCommand,
     FetchParallelInfo,
     FetchRankInfo,
+    Log,
+    Rejected,
     RoomFailed,
     SendFrames,
 )
 from tspd.core.config import parse_pd_env
 from tspd.core.decode import DecodeConfig, DecodeCore
 from tspd.core.errors import TspdError
-from tspd.core.machines import RoomState
 from tspd.core.manifest import BlockManifest
-from tspd.core.trace import RoomTrace
+from tspd.core.trace import Side
 from tspd.core.wire import MAX_STATUS_FRAME_BYTES
 from tspd.engines.base import AsyncTransferEngine, TransferEngine
 from tspd.log import component_logger
@@ -72,19 +76,14 @@ from tspd.shell.arena import HostArena
 from tspd.shell.bootstrap import BootstrapClient
 from tspd.shell.engine_setup import register_memory, unregister_on_exit
 from tspd.shell.metrics import TspdMetrics
-from tspd.shell.nursery import single_error
 from tspd.shell.observe import PeerObserver
+from tspd.shell.peer import RankPeer, Receiver, open_peer_nursery, open_rank_sockets
 from tspd.shell.pushes import DEFAULT_IDLE_TTL, DEFAULT_MAX_SOCKETS, PushPool
 from tspd.shell.security import CurveGuard, SecurityConfig
-from tspd.shell.timer import DeadlineTimer
-from tspd.shell.zmq import MAX_MESSAGE_FRAMES, TrioSocket, bind_free_port, open_socket
 
 __all__ = ["DecodePeer", "DecodeSettings", "open_decode_peer"]
 
 log = component_logger("decode")
-
-#: How many recent room failures a peer keeps in ``failures``.
-RECENT_FAILURES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +121,14 @@ class DecodeSettings:
 
 
 @final
-class DecodePeer:
+class DecodePeer(RankPeer[DecodeCommand]):
     """One Decode rank's running peer; get one from :func:`open_decode_peer`.
 
     Every method runs in the peer's Trio thread.
     """
+
+    core: DecodeCore
+    _side = Side.DECODE
 
     def __init__(
         self,
@@ -142,28 +144,15 @@ class DecodePeer:
         curve: CurveGuard | None = None,
         server_keys: dict[tuple[str, int], str] | None = None,
     ) -> None:
-        self.core = core
-        #: Secure mode's CURVE keys and ZAP domain (``None`` in plain mode).
-        self.curve = curve
+        super().__init__(core, observer, agreement=agreement, pushes=pushes, curve=curve)
         #: Secure mode: the CURVE server key of each Prefill control endpoint (the
         #: push pool reads it when it opens a socket).
         self._server_keys = server_keys if server_keys is not None else {}
-        #: Logs, metrics and traces of this rank (:mod:`tspd.shell.observe`).
-        self.observer = observer or PeerObserver("decode", core.config.tp_rank)
         self.engine = engine
         self.arena = arena
-        self.agreement = agreement
         self.status_port = status_port
-        #: The most recent room failures (bounded; metrics and traces keep the rest).
-        self.failures: deque[RoomFailed] = deque(maxlen=RECENT_FAILURES)
-        self._pushes = pushes
         self._client = client
-        self._timer = DeadlineTimer(core.next_deadline, self._on_timeout)
         self._nursery: trio.Nursery | None = None
-        self._activity = trio.Event()
-        #: Called (in the Trio thread) whenever :meth:`wait_for_activity` would wake;
-        #: a thread host sets it to wake its scheduler thread without polling.
-        self.on_activity: Callable[[], None] | None = None
         self.heartbeats = 0
 
     @property
@@ -173,28 +162,20 @@ class DecodePeer:
 
     # -- command execution -------------------------------------------------------
 
-    def _pump(self, *, activity: bool = False) -> None:
-        if activity:
-            self._activity.set()
-            if self.on_activity is not None:
-                self.on_activity()
-        for command in self.core.drain_commands():
-            self._execute(command)
-        self.observer.finished(self.core.drain_finished())
-        self._timer.poke()
-
-    def _execute(self, command: Command) -> None:
-        if self.observer.command(command):  # a Log or RoomFailed: logged and counted
-            if isinstance(command, RoomFailed):
-                self.failures.append(command)
-        elif isinstance(command, SendFrames):
-            self._pushes.send_nowait(command.endpoint, command.port, command.frames, command.room)
-        elif isinstance(command, FetchParallelInfo):
-            self._spawn(self._fetch_parallel_info, command)
-        elif isinstance(command, FetchRankInfo):
-            self._spawn(self._fetch_rank_info, command)
-        else:
-            log.error("the Decode core asked for a Prefill-only command: %r", command)
+    def _execute(self, command: DecodeCommand) -> None:
+        match command:
+            case SendFrames():
+                self._pushes.send_nowait(
+                    command.endpoint, command.port, command.frames, command.room
+                )
+            case FetchParallelInfo():
+                self._spawn(self._fetch_parallel_info, command)
+            case FetchRankInfo():
+                self._spawn(self._fetch_rank_info, command)
+            case RoomFailed() | Log() | Rejected():
+                self._observed(command)
+            case _:
+                assert_never(command)
 
     def _spawn(self, fn: object, command: FetchParallelInfo | FetchRankInfo) -> None:
         if self._nursery is None:
@@ -257,10 +238,6 @@ class DecodePeer:
         self._server_keys[route] = info.curve_key
         return None
 
-    def _on_timeout(self, now: float) -> None:
-        self.core.handle_timeout(now)
-        self._pump(activity=True)
-
     # -- scheduler-side API -------------------------------------------------------
 
     def register_request(self, rid: str, room: int, bootstrap_addr: str) -> None:
@@ -287,43 +264,6 @@ class DecodePeer:
         finally:
             self._pump()
 
-    async def poll(self) -> list[Event]:
-        """One poll (docs/protocol.md#proto-decode-poll): local values, the replica agreement's
-        MIN, then the
-        events in registration order — ``Bootstrapped``,
-        :class:`~tspd.core.commands.RemotePrefillDone` or ``Failed``."""
-        values = self.core.poll_values(trio.current_time())
-        agreed = await self.agreement.agree(values)
-        events = self.core.conclude(agreed, trio.current_time())
-        self.observer.events(events)
-        self._pump()
-        return events
-
-    async def wait_for_activity(self) -> None:
-        """Return once something arrived from outside the scheduler since the last
-        call — a peer's message, a transfer outcome, a lookup, a timer — so a
-        scheduler loop can sleep between polls instead of spinning. Bound the wait
-        (``trio.move_on_after``): polls also see time passing."""
-        await self._activity.wait()
-        self._activity = trio.Event()
-
-    def has_in_flight(self) -> bool:
-        """Whether any request is tracked."""
-        return self.core.has_in_flight()
-
-    def room_state(self, room: int) -> RoomState:
-        """``room``'s state on this rank (``ABSENT`` when it has no entry)."""
-        return self.core.room_state(room)
-
-    def trace(self, room: int) -> RoomTrace | None:
-        """``room``'s milestones on this rank: live, or kept after it failed or ran
-        slow (:mod:`tspd.core.trace`); ``None`` when neither."""
-        return self.core.trace(room)
-
-    def recent_traces(self) -> list[RoomTrace]:
-        """Kept traces of recent rooms that failed or ran slow."""
-        return self.core.recent_traces()
-
     def statistics(self) -> dict[str, int]:
         """The core's table sizes plus message counters."""
         stats = dict(self.core.statistics())
@@ -334,37 +274,10 @@ class DecodePeer:
 
     # -- tasks -------------------------------------------------------------------
 
-    async def _status(
-        self,
-        sock: TrioSocket,
-        batch: int,
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        task_status.started()
-        if self.curve is not None:
-            await self._status_secure(sock, batch)
-        while True:
-            messages = await sock.recv_batch(batch)
-            now = trio.current_time()
-            for frames in messages:
-                try:
-                    self.core.receive_status(frames, now)
-                except Exception:  # the status loop never dies
-                    self.observer.internal_error("a Prefill status message")
-            self._pump(activity=True)
+    _received = "a Prefill status message"
 
-    async def _status_secure(self, sock: TrioSocket, batch: int) -> None:
-        """The status loop of secure mode: each message with its CURVE identity."""
-        while True:
-            messages = await sock.recv_batch_from(batch)
-            now = trio.current_time()
-            for frames, sender in messages:
-                try:
-                    self.core.receive_status(frames, now, sender)
-                except Exception:  # the status loop never dies
-                    self.observer.internal_error("a Prefill status message")
-            self._pump(activity=True)
+    def _receiver(self) -> Receiver:
+        return self.core.receive_status
 
     async def _heartbeat(
         self, interval: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -389,26 +302,6 @@ class DecodePeer:
         results[addr] = await self._client.health(addr)
 
 
-def _bind_status(
-    host: str, context: zmq.Context[zmq.Socket[bytes]], curve: CurveGuard | None = None
-) -> tuple[TrioSocket, int]:
-    sock = open_socket(
-        context,
-        zmq.PULL,
-        max_frame_bytes=MAX_STATUS_FRAME_BYTES,
-        max_frames=MAX_MESSAGE_FRAMES,
-        name="Decode status socket",
-    )
-    try:
-        if curve is not None:
-            curve.server(sock, "the Decode status socket")
-        port = bind_free_port(sock, host)
-    except BaseException:
-        sock.close()
-        raise
-    return sock, port
-
-
 @asynccontextmanager
 async def open_decode_peer(
     config: DecodeConfig,
@@ -431,27 +324,15 @@ async def open_decode_peer(
     """
     settings = settings or DecodeSettings()
     ctx = context or zmq.Context.instance()
-    security = settings.security
-    curve = (
-        CurveGuard(ctx, security.curve, f"Decode rank {config.tp_rank}")
-        if security is not None and security.curve is not None
-        else None
-    )
     server_keys: dict[tuple[str, int], str] = {}
-    pushes = PushPool(
+    curve, pushes, status, port = open_rank_sockets(
         ctx,
-        name=f"Decode rank {config.tp_rank}",
-        max_sockets=settings.push_sockets,
-        idle_ttl=settings.push_idle_ttl,
-        curve=curve,
-        server_key=(lambda e, p: server_keys.get((e, p))) if curve is not None else None,
+        settings,
+        f"Decode rank {config.tp_rank}",
+        server_key=lambda e, p: server_keys.get((e, p)),
+        socket_name="Decode status socket",
+        max_frame_bytes=MAX_STATUS_FRAME_BYTES,
     )
-    try:
-        status, port = _bind_status(settings.host, ctx, curve)
-    except BaseException:
-        if curve is not None:
-            curve.close()
-        raise
     try:
         core = DecodeCore(
             dataclasses.replace(
@@ -469,40 +350,31 @@ async def open_decode_peer(
             curve.close()
         raise
     try:
-        with single_error():
-            async with (
-                BootstrapClient(security=security) as client,
-                trio.open_nursery() as nursery,
-            ):
-                peer = DecodePeer(
-                    core,
-                    engine=engine,
-                    arena=arena,
-                    agreement=agreement or SingleRank(),
-                    pushes=pushes,
-                    client=client,
-                    status_port=port,
-                    observer=PeerObserver(
-                        "decode",
-                        config.tp_rank,
-                        metrics=metrics,
-                        slow_after=config.trace.slow_after,
-                    ),
-                    curve=curve,
-                    server_keys=server_keys,
-                )
-                peer.observer.watch(core, peer.statistics)
-                peer._nursery = nursery
-                await nursery.start(pushes.run)
-                await nursery.start(peer._timer.run)
-                await nursery.start(peer._status, status, settings.status_batch)
-                await nursery.start(peer._heartbeat, settings.heartbeat_interval)
-                try:
-                    yield peer
-                finally:
-                    peer._nursery = None
-                    peer.observer.close()
-                    nursery.cancel_scope.cancel()
+        async with open_peer_nursery(settings.security) as (client, nursery):
+            peer = DecodePeer(
+                core,
+                engine=engine,
+                arena=arena,
+                agreement=agreement or SingleRank(),
+                pushes=pushes,
+                client=client,
+                status_port=port,
+                observer=PeerObserver(
+                    "decode", config.tp_rank, metrics=metrics, slow_after=config.trace.slow_after
+                ),
+                curve=curve,
+                server_keys=server_keys,
+            )
+            peer.observer.watch(core, peer.statistics)
+            peer._nursery = nursery
+            await peer._start_tasks(nursery)
+            await nursery.start(peer._receive, status, settings.status_batch)
+            await nursery.start(peer._heartbeat, settings.heartbeat_interval)
+            try:
+                yield peer
+            finally:
+                peer._nursery = None
+                peer.observer.close()
     finally:
         status.close()
         if curve is not None:

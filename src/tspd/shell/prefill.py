@@ -27,12 +27,15 @@ carries its public key (:data:`~tspd.core.bootstrap.CURVE_KEY_FIELD`), every con
 message reaches the core with its sender's identity, and each status goes out as a
 CURVE client of the identity that registered the Decode session replying there.
 
-Every core call is followed by :meth:`PrefillPeer._pump`, which executes the
-commands it queued, in order. The scheduler-side API (``register_request``,
-``poll``, ``abort``, ``record_usage``, ``has_in_flight``) runs in the Trio
-thread; the forward-side API (:class:`PrefillOutbox`) is callable from any
-thread and never waits for a transfer. Leaving the block cancels every task,
-closes every socket and deregisters the arena; no thread or socket outlives it.
+Every core call is followed by a pump (:meth:`~tspd.shell.peer.RankPeer._pump`,
+shared with Decode in :mod:`tspd.shell.peer`), which executes the commands it
+queued, in order: :meth:`PrefillPeer._execute` matches every
+:data:`~tspd.core.commands.PrefillCommand` exhaustively. The scheduler-side API
+(``register_request``, ``poll``, ``abort``, ``record_usage``, ``has_in_flight``)
+runs in the Trio thread; the forward-side API (:class:`PrefillOutbox`) is callable
+from any thread and never waits for a transfer. Leaving the block cancels every
+task, closes every socket and deregisters the arena; no thread or socket outlives
+it.
 Registering and deregistering the arena (on entry and exit, and for sleep/wake) go
 through :mod:`tspd.shell.engine_setup`: in a worker thread for an engine whose setup
 blocks (Mooncake pins the arena), inline for the in-process engines.
@@ -42,11 +45,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, final
+from typing import Any, assert_never, final
 
 import trio
 import zmq
@@ -54,18 +56,19 @@ import zmq
 from tspd.core.bootstrap import CURVE_KEY_FIELD, build_route_payload
 from tspd.core.commands import (
     CloseRoute,
-    Command,
     Event,
     Failed,
+    Log,
+    PrefillCommand,
+    Rejected,
     RoomFailed,
     SendFrames,
     StartTransfer,
     Succeeded,
 )
 from tspd.core.errors import ProtocolError, TspdError
-from tspd.core.machines import RoomState
 from tspd.core.prefill import ExtendRow, PrefillConfig, PrefillCore
-from tspd.core.trace import RoomTrace
+from tspd.core.trace import Side
 from tspd.core.wire import MAX_CONTROL_FRAME_BYTES
 from tspd.engines.base import AsyncTransferEngine
 from tspd.log import component_logger
@@ -74,15 +77,13 @@ from tspd.shell.arena import HostArena
 from tspd.shell.bootstrap import BootstrapClient
 from tspd.shell.engine_setup import register_memory, unregister_memory, unregister_on_exit
 from tspd.shell.metrics import TspdMetrics
-from tspd.shell.nursery import single_error
 from tspd.shell.observe import PeerObserver
+from tspd.shell.peer import RankPeer, Receiver, open_peer_nursery, open_rank_sockets
 from tspd.shell.pushes import DEFAULT_IDLE_TTL, DEFAULT_MAX_SOCKETS, PushPool
 from tspd.shell.security import CurveGuard, SecurityConfig
 from tspd.shell.steps import StepCounter
 from tspd.shell.threadsafe import LoopPortal
-from tspd.shell.timer import DeadlineTimer
 from tspd.shell.transfers import TransferWorkers
-from tspd.shell.zmq import MAX_MESSAGE_FRAMES, TrioSocket, bind_free_port, open_socket
 
 __all__ = [
     "ExtendRow",
@@ -95,9 +96,6 @@ __all__ = [
 ]
 
 log = component_logger("prefill")
-
-#: How many recent room failures a peer keeps in ``failures``.
-RECENT_FAILURES = 1024
 
 
 class ReleaseRefused(TspdError):
@@ -146,12 +144,17 @@ class RemoteDecodeRow:
 
 
 @final
-class PrefillPeer:
+class PrefillPeer(RankPeer[PrefillCommand]):
     """One Prefill rank's running peer; get one from :func:`open_prefill_peer`.
 
     Methods run in the peer's Trio thread unless stated otherwise; use
-    :attr:`outbox` from an engine's own threads.
+    :attr:`outbox` from an engine's own threads. What it shares with the Decode
+    peer (the pump, the poll, the receive task, the queries) is
+    :class:`~tspd.shell.peer.RankPeer`'s.
     """
+
+    core: PrefillCore
+    _side = Side.PREFILL
 
     def __init__(
         self,
@@ -167,22 +170,13 @@ class PrefillPeer:
         observer: PeerObserver | None = None,
         curve: CurveGuard | None = None,
     ) -> None:
-        self.core = core
-        #: Secure mode's CURVE keys and ZAP domain (``None`` in plain mode).
-        self.curve = curve
-        #: Logs, metrics and traces of this rank (:mod:`tspd.shell.observe`).
-        self.observer = observer or PeerObserver("prefill", core.config.tp_rank)
+        super().__init__(core, observer, agreement=agreement, pushes=pushes, curve=curve)
         self.engine = engine
         self.arena = arena
-        self.agreement = agreement
         self.control_port = control_port
         self.host = host
         self.step_counter = step_counter
-        #: The most recent room failures (bounded; metrics and traces keep the rest).
-        self.failures: deque[RoomFailed] = deque(maxlen=RECENT_FAILURES)
         self.registered_with_bootstrap = False
-        self._pushes = pushes
-        self._timer = DeadlineTimer(core.next_deadline, self._on_timeout)
         self._workers = TransferWorkers(
             engine,
             self,
@@ -196,11 +190,7 @@ class PrefillPeer:
         self._registration_lock = trio.Lock()
         self._portal: LoopPortal | None = None
         self._outbox: PrefillOutbox | None = None
-        self._activity = trio.Event()
-        #: Called (in the Trio thread) whenever :meth:`wait_for_activity` would wake;
-        #: a thread host sets it to wake its scheduler thread without polling.
-        self.on_activity: Callable[[], None] | None = None
-        # Routes the push pool could not send to, for the core (see _pump).
+        # Routes the push pool could not send to, for the core (see _execute_queued).
         self._unreachable: list[tuple[str, int, str]] = []
 
     @property
@@ -210,15 +200,10 @@ class PrefillPeer:
 
     # -- command execution -------------------------------------------------------
 
-    def _pump(self, *, activity: bool = False) -> None:
-        """Execute, in order, every command the core queued; ``activity`` marks input
-        from outside the scheduler (a message, a transfer outcome, a timer)."""
-        if activity:
-            self._activity.set()
-            if self.on_activity is not None:
-                self.on_activity()
-        for command in self.core.drain_commands():
-            self._execute(command)
+    def _execute_queued(self) -> None:
+        """Execute the queued commands; then tell the core of every route the push
+        pool could not send to."""
+        super()._execute_queued()
         while self._unreachable:
             # The core fails those routes' rooms; their notices to other routes
             # may fail in turn (each route at most once: its sessions are gone).
@@ -226,31 +211,24 @@ class PrefillPeer:
             now = trio.current_time()
             for endpoint, port, error in unreachable:
                 self.core.send_failed(endpoint, port, error, now)
-            for command in self.core.drain_commands():
-                self._execute(command)
-        self.observer.finished(self.core.drain_finished())
-        self._timer.poke()
+            super()._execute_queued()
 
-    def _execute(self, command: Command) -> None:
-        if self.observer.command(command):  # a Log or RoomFailed: logged and counted
-            if isinstance(command, RoomFailed):
-                self.failures.append(command)
-        elif isinstance(command, SendFrames):
-            error = self._pushes.send_nowait(
-                command.endpoint, command.port, command.frames, command.room
-            )
-            if error is not None:
-                self._unreachable.append((command.endpoint, command.port, error))
-        elif isinstance(command, StartTransfer):
-            self._workers.submit(command)
-        elif isinstance(command, CloseRoute):
-            self._pushes.release(command.endpoint, command.port)
-        else:
-            log.error("the Prefill core asked for a Decode-only command: %r", command)
-
-    def _on_timeout(self, now: float) -> None:
-        self.core.handle_timeout(now)
-        self._pump(activity=True)
+    def _execute(self, command: PrefillCommand) -> None:
+        match command:
+            case SendFrames():
+                error = self._pushes.send_nowait(
+                    command.endpoint, command.port, command.frames, command.room
+                )
+                if error is not None:
+                    self._unreachable.append((command.endpoint, command.port, error))
+            case StartTransfer():
+                self._workers.submit(command)
+            case CloseRoute():
+                self._pushes.release(command.endpoint, command.port)
+            case RoomFailed() | Log() | Rejected():
+                self._observed(command)
+            case _:
+                assert_never(command)
 
     # -- transfer feedback (tspd.shell.transfers.TransferFeedback) ----------------
 
@@ -291,29 +269,10 @@ class PrefillPeer:
         self._rooms_by_rid[rid] = room
         self._pump()
 
-    async def poll(self) -> list[Event]:
-        """One poll (docs/protocol.md#proto-prefill-poll): local values, the replica agreement's
-        MIN, then the
-        events in registration order — :class:`~tspd.core.commands.Bootstrapped`,
-        :class:`~tspd.core.commands.Succeeded`, :class:`~tspd.core.commands.Failed`.
-        Every rank of the group polls once per scheduler iteration."""
-        values = self.core.poll_values(trio.current_time())
-        agreed = await self.agreement.agree(values)
-        events = self.core.conclude(agreed, trio.current_time())
+    def _concluded(self, events: list[Event]) -> None:
         for event in events:
             if isinstance(event, Succeeded | Failed):
                 self._rooms_by_rid.pop(event.rid, None)
-        self.observer.events(events)
-        self._pump()
-        return events
-
-    async def wait_for_activity(self) -> None:
-        """Return once something arrived from outside the scheduler since the last
-        call — a peer's message, a transfer outcome, a lookup, a timer — so a
-        scheduler loop can sleep between polls instead of spinning. Bound the wait
-        (``trio.move_on_after``): polls also see time passing."""
-        await self._activity.wait()
-        self._activity = trio.Event()
 
     def abort(self, room: int, reason: str) -> None:
         """Fail ``room`` with ``reason``, notifying every destination
@@ -325,23 +284,6 @@ class PrefillPeer:
         """Record the request's prefix-cache hit and bootstrap-token logprob for its
         status messages (ignored once the room ended)."""
         self.core.record_usage(room, cached_tokens, logprob)
-
-    def has_in_flight(self) -> bool:
-        """Whether any tracked request may still send KV."""
-        return self.core.has_in_flight()
-
-    def room_state(self, room: int) -> RoomState:
-        """``room``'s state on this rank (``ABSENT`` when it has no entry)."""
-        return self.core.room_state(room)
-
-    def trace(self, room: int) -> RoomTrace | None:
-        """``room``'s milestones on this rank: live, or kept after it failed or ran
-        slow (:mod:`tspd.core.trace`); ``None`` when neither."""
-        return self.core.trace(room)
-
-    def recent_traces(self) -> list[RoomTrace]:
-        """Kept traces of recent rooms that failed, were dropped or ran slow."""
-        return self.core.recent_traces()
 
     def statistics(self) -> dict[str, int]:
         """The core's table sizes, plus worker and message counters."""
@@ -423,38 +365,10 @@ class PrefillPeer:
 
     # -- tasks -------------------------------------------------------------------
 
-    async def _control(
-        self,
-        sock: TrioSocket,
-        batch: int,
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        task_status.started()
-        if self.curve is not None:
-            await self._control_secure(sock, batch)
-        while True:
-            messages = await sock.recv_batch(batch)
-            now = trio.current_time()
-            for frames in messages:
-                try:
-                    self.core.receive_control(frames, now)
-                # The loop never dies (docs/protocol.md#proto-control-dispatch).
-                except Exception:
-                    self.observer.internal_error("a control message")
-            self._pump(activity=True)
+    _received = "a control message"
 
-    async def _control_secure(self, sock: TrioSocket, batch: int) -> None:
-        """The control loop of secure mode: each message with its CURVE identity."""
-        while True:
-            messages = await sock.recv_batch_from(batch)
-            now = trio.current_time()
-            for frames, sender in messages:
-                try:
-                    self.core.receive_control(frames, now, sender)
-                except Exception:  # never dies (docs/protocol.md#proto-control-dispatch)
-                    self.observer.internal_error("a control message")
-            self._pump(activity=True)
+    def _receiver(self) -> Receiver:
+        return self.core.receive_control
 
     async def _register_with_bootstrap(
         self, client: BootstrapClient, settings: PrefillSettings
@@ -527,26 +441,6 @@ class PrefillOutbox:
         return self._portal.post(lambda: self._peer.arm_layerwise(rows))
 
 
-def _bind_control(
-    host: str, context: zmq.Context[zmq.Socket[bytes]], curve: CurveGuard | None = None
-) -> tuple[TrioSocket, int]:
-    sock = open_socket(
-        context,
-        zmq.PULL,
-        max_frame_bytes=MAX_CONTROL_FRAME_BYTES,
-        max_frames=MAX_MESSAGE_FRAMES,
-        name="Prefill control socket",
-    )
-    try:
-        if curve is not None:
-            curve.server(sock, "the Prefill control socket")
-        port = bind_free_port(sock, host)
-    except BaseException:
-        sock.close()
-        raise
-    return sock, port
-
-
 @asynccontextmanager
 async def open_prefill_peer(
     config: PrefillConfig,
@@ -579,26 +473,14 @@ async def open_prefill_peer(
             config, arena_base=arena.base, arena_len=arena.size, session_id=engine.session_id
         )
     )
-    security = settings.security
-    curve = (
-        CurveGuard(ctx, security.curve, f"Prefill rank {config.tp_rank}")
-        if security is not None and security.curve is not None
-        else None
-    )
-    pushes = PushPool(
+    curve, pushes, control, port = open_rank_sockets(
         ctx,
-        name=f"Prefill rank {config.tp_rank}",
-        max_sockets=settings.push_sockets,
-        idle_ttl=settings.push_idle_ttl,
-        curve=curve,
-        server_key=core.route_identity if curve is not None else None,
+        settings,
+        f"Prefill rank {config.tp_rank}",
+        server_key=core.route_identity,
+        socket_name="Prefill control socket",
+        max_frame_bytes=MAX_CONTROL_FRAME_BYTES,
     )
-    try:
-        control, port = _bind_control(settings.host, ctx, curve)
-    except BaseException:
-        if curve is not None:
-            curve.close()
-        raise
     peer = PrefillPeer(
         core,
         engine=engine,
@@ -617,25 +499,19 @@ async def open_prefill_peer(
     try:
         await register_memory(engine, arena.base, arena.size)
         peer._memory_registered = True
-        with single_error():
-            async with (
-                BootstrapClient(security=security) as client,
-                trio.open_nursery() as nursery,
-            ):
-                await nursery.start(pushes.run)
-                await nursery.start(peer._timer.run)
-                await nursery.start(peer._workers.run)
-                await nursery.start(peer._control, control, settings.control_batch)
-                portal = LoopPortal(trio.lowlevel.current_trio_token(), name="the Prefill peer")
-                peer._portal = portal
-                peer._outbox = PrefillOutbox(peer, portal)
-                if settings.bootstrap_addr is not None:
-                    await peer._register_with_bootstrap(client, settings)
-                try:
-                    yield peer
-                finally:
-                    portal.close()
-                    nursery.cancel_scope.cancel()
+        async with open_peer_nursery(settings.security) as (client, nursery):
+            await peer._start_tasks(nursery)
+            await nursery.start(peer._workers.run)
+            await nursery.start(peer._receive, control, settings.control_batch)
+            portal = LoopPortal(trio.lowlevel.current_trio_token(), name="the Prefill peer")
+            peer._portal = portal
+            peer._outbox = PrefillOutbox(peer, portal)
+            if settings.bootstrap_addr is not None:
+                await peer._register_with_bootstrap(client, settings)
+            try:
+                yield peer
+            finally:
+                portal.close()
     finally:
         peer.observer.close()
         control.close()

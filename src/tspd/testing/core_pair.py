@@ -230,6 +230,7 @@ class CorePair:
 
     def pump(self) -> None:
         """Execute every queued command of every core until all are quiet."""
+        command: Command  # either side's
         busy = True
         while busy:
             busy = False

@@ -1,0 +1,391 @@
+"""What a Prefill rank's peer and a Decode rank's peer share, written once.
+
+:class:`RankPeer` is the base of :class:`~tspd.shell.prefill.PrefillPeer` and
+:class:`~tspd.shell.decode.DecodePeer`, as :class:`~tspd.core.rank.RankCore` is of
+their cores. It owns the parts of a running peer that do not depend on the side:
+
+* **command execution**: after every core call the peer *pumps*
+  (:meth:`RankPeer._pump`): each queued command is handed to the
+  :class:`~tspd.shell.observe.PeerObserver` (logs, metrics) and then to the side's
+  executor, an exhaustive ``match`` over the side's command union
+  (:data:`~tspd.core.commands.PrefillCommand`,
+  :data:`~tspd.core.commands.DecodeCommand`) ending in ``assert_never``, so a
+  command a side cannot emit is a type error; then the rooms that ended go to the
+  observer and the timer re-reads the core's deadline;
+* **activity**: input from outside the scheduler (a message, a transfer outcome, a
+  lookup, a timer) wakes :meth:`RankPeer.wait_for_activity` and
+  :attr:`RankPeer.on_activity`;
+* the **timer** (:class:`~tspd.shell.timer.DeadlineTimer`) and the **push pool**
+  (:class:`~tspd.shell.pushes.PushPool`) tasks;
+* the **receive task** (:meth:`RankPeer._receive`): the only owner of the side's
+  PULL socket, which hands the core each drained batch (in secure mode each message
+  with its CURVE identity) and never dies of a message;
+* the scheduler-side calls that read the same on both sides (:meth:`RankPeer.poll`,
+  :meth:`RankPeer.has_in_flight`, :meth:`RankPeer.room_state`...).
+
+:func:`open_rank_sockets` and :func:`open_peer_nursery` are the setup both
+``open_*_peer`` functions share: the CURVE guard, push pool and bound PULL socket,
+then the bootstrap client and the task nursery.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Final, Generic, Protocol, TypeVar
+
+import trio
+import zmq
+
+from tspd.core.commands import Command, Event, Log, Rejected, RoomFailed
+from tspd.core.machines import RoomState
+from tspd.core.trace import RoomTrace, Side
+from tspd.shell.agreement import ReplicaAgreement
+from tspd.shell.bootstrap import BootstrapClient
+from tspd.shell.nursery import single_error
+from tspd.shell.observe import ObservedCore, PeerObserver
+from tspd.shell.pushes import PushPool
+from tspd.shell.security import CurveGuard, SecurityConfig
+from tspd.shell.timer import DeadlineTimer
+from tspd.shell.zmq import MAX_MESSAGE_FRAMES, TrioSocket, bind_free_port, open_socket
+
+__all__ = [
+    "RECENT_FAILURES",
+    "PeerCore",
+    "PeerSettings",
+    "RankConfig",
+    "RankPeer",
+    "Receiver",
+    "open_peer_nursery",
+    "open_rank_sockets",
+]
+
+#: How many recent room failures a peer keeps in ``failures``.
+RECENT_FAILURES: Final = 1024
+
+#: The side's command union.
+CmdT = TypeVar("CmdT", bound=Command)
+CmdT_co = TypeVar("CmdT_co", bound=Command, covariant=True)
+
+
+class RankConfig(Protocol):
+    """What :class:`RankPeer` reads of its core's configuration."""
+
+    @property
+    def tp_rank(self) -> int: ...
+
+
+class PeerCore(ObservedCore, Protocol[CmdT_co]):
+    """What :class:`RankPeer` calls on its core (both cores have it); ``CmdT_co`` is
+    the side's command union."""
+
+    @property
+    def config(self) -> RankConfig: ...
+
+    def drain_commands(self) -> Sequence[CmdT_co]: ...
+
+    def drain_finished(self) -> list[RoomTrace]: ...
+
+    def next_deadline(self) -> float | None: ...
+
+    def handle_timeout(self, now: float) -> None: ...
+
+    def poll_values(self, now: float) -> list[int]: ...
+
+    def conclude(self, agreed: Sequence[int], now: float) -> list[Event]: ...
+
+    def has_in_flight(self) -> bool: ...
+
+    def room_state(self, room: int) -> RoomState: ...
+
+
+class Receiver(Protocol):
+    """A core's handler of one received message (``receive_control``,
+    ``receive_status``): ``sender`` is its CURVE identity in secure mode."""
+
+    def __call__(self, frames: Sequence[bytes], now: float, sender: str | None = None) -> None: ...
+
+
+class PeerSettings(Protocol):
+    """What :func:`open_rank_sockets` reads of a side's settings."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def push_sockets(self) -> int: ...
+
+    @property
+    def push_idle_ttl(self) -> float: ...
+
+    @property
+    def security(self) -> SecurityConfig | None: ...
+
+
+class RankPeer(Generic[CmdT]):
+    """The side-independent half of a rank's running peer (see the module
+    docstring). ``CmdT`` is the side's command union; the side supplies its
+    executor (:meth:`_execute`), its core's message handler (:meth:`_receiver`)
+    and, where it needs one, what to forget about the requests a poll ended
+    (:meth:`_concluded`). ``observer``: by default one that only logs.
+
+    Every method runs in the peer's Trio thread.
+    """
+
+    core: PeerCore[CmdT]
+    #: Which side this peer is (names its logs and metrics).
+    _side: Side
+
+    def __init__(
+        self,
+        core: PeerCore[CmdT],
+        observer: PeerObserver | None,
+        *,
+        agreement: ReplicaAgreement,
+        pushes: PushPool,
+        curve: CurveGuard | None,
+    ) -> None:
+        self.core = core
+        #: Secure mode's CURVE keys and ZAP domain (``None`` in plain mode).
+        self.curve = curve
+        #: Logs, metrics and traces of this rank (:mod:`tspd.shell.observe`).
+        self.observer = observer or PeerObserver(self._side, core.config.tp_rank)
+        self.agreement = agreement
+        #: The most recent room failures (bounded; metrics and traces keep the rest).
+        self.failures: deque[RoomFailed] = deque(maxlen=RECENT_FAILURES)
+        self._pushes = pushes
+        self._timer = DeadlineTimer(core.next_deadline, self._on_timeout)
+        self._activity = trio.Event()
+        #: Called (in the Trio thread) whenever :meth:`wait_for_activity` would wake;
+        #: a thread host sets it to wake its scheduler thread without polling.
+        self.on_activity: Callable[[], None] | None = None
+
+    # -- command execution -------------------------------------------------------
+
+    def _pump(self, *, activity: bool = False) -> None:
+        """Execute, in order, every command the core queued, hand the rooms that
+        ended to the observer and let the timer re-read the deadline; ``activity``
+        marks input from outside the scheduler (a message, a transfer outcome, a
+        lookup, a timer)."""
+        if activity:
+            self._activity.set()
+            if self.on_activity is not None:
+                self.on_activity()
+        self._execute_queued()
+        self.observer.finished(self.core.drain_finished())
+        self._timer.poke()
+
+    def _execute_queued(self) -> None:
+        """Drain the core's commands: each is logged and counted by the observer,
+        then carried out by :meth:`_execute`."""
+        observe, execute = self.observer.command, self._execute
+        for command in self.core.drain_commands():
+            observe(command)
+            execute(command)
+
+    def _execute(self, command: CmdT) -> None:
+        """Carry out one command the observer has seen: the side's exhaustive
+        ``match`` over its command union, which hands the commands both sides share
+        and need nothing more than observing to :meth:`_observed`."""
+        raise NotImplementedError
+
+    def _observed(self, command: RoomFailed | Log | Rejected) -> None:
+        """A command only for observing, which the observer logged and counted; a
+        room failure is also kept in :attr:`failures`."""
+        if isinstance(command, RoomFailed):
+            self.failures.append(command)
+
+    def _on_timeout(self, now: float) -> None:
+        self.core.handle_timeout(now)
+        self._pump(activity=True)
+
+    async def _start_tasks(self, nursery: trio.Nursery) -> None:
+        """Start the push pool and the timer (the side starts its own tasks next)."""
+        await nursery.start(self._pushes.run)
+        await nursery.start(self._timer.run)
+
+    # -- scheduler-side API -------------------------------------------------------
+
+    async def poll(self) -> list[Event]:
+        """One poll (docs/protocol.md#proto-prefill-poll,
+        docs/protocol.md#proto-decode-poll): this rank's values, the replica
+        agreement's MIN, then the events in registration order —
+        :class:`~tspd.core.commands.Bootstrapped`, then
+        :class:`~tspd.core.commands.Succeeded` (Prefill) or
+        :class:`~tspd.core.commands.RemotePrefillDone` (Decode), or
+        :class:`~tspd.core.commands.Failed` (and, on Decode,
+        :class:`~tspd.core.commands.PagesReleased`). Every rank of the group polls
+        once per scheduler iteration."""
+        values = self.core.poll_values(trio.current_time())
+        agreed = await self.agreement.agree(values)
+        events = self.core.conclude(agreed, trio.current_time())
+        self._concluded(events)
+        self.observer.events(events)
+        self._pump()
+        return events
+
+    def _concluded(self, events: list[Event]) -> None:
+        """A poll's events, before anything else sees them: the side forgets what it
+        keeps for requests that ended. Default: nothing."""
+
+    async def wait_for_activity(self) -> None:
+        """Return once something arrived from outside the scheduler since the last
+        call — a peer's message, a transfer outcome, a lookup, a timer — so a
+        scheduler loop can sleep between polls instead of spinning. Bound the wait
+        (``trio.move_on_after``): polls also see time passing."""
+        await self._activity.wait()
+        self._activity = trio.Event()
+
+    def has_in_flight(self) -> bool:
+        """Whether any request is tracked (Prefill: one that may still send KV;
+        Decode: also a failed room whose pages are held), so the scheduler polls."""
+        return self.core.has_in_flight()
+
+    def room_state(self, room: int) -> RoomState:
+        """``room``'s state on this rank (``ABSENT`` when it has no entry)."""
+        return self.core.room_state(room)
+
+    def trace(self, room: int) -> RoomTrace | None:
+        """``room``'s milestones on this rank: live, or kept after it failed or ran
+        slow (:mod:`tspd.core.trace`); ``None`` when neither."""
+        return self.core.trace(room)
+
+    def recent_traces(self) -> list[RoomTrace]:
+        """Kept traces of recent rooms that failed, ran slow or (Prefill) were
+        dropped."""
+        return self.core.recent_traces()
+
+    # -- tasks -------------------------------------------------------------------
+
+    #: What the receive task's messages are, for the log line of a fault handling one.
+    _received = "a message"
+
+    def _receiver(self) -> Receiver:
+        """The core's handler of one received message (read once per batch)."""
+        raise NotImplementedError
+
+    async def _receive(
+        self,
+        sock: TrioSocket,
+        batch: int,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The receive task, the only owner of the PULL ``sock``: each drained batch
+        (at most ``batch`` messages) goes to the core (:meth:`_receiver`), then the
+        peer pumps. The loop never dies (docs/protocol.md#proto-control-dispatch):
+        a fault of tspd's own handling a message is logged."""
+        task_status.started()
+        if self.curve is not None:
+            await self._receive_secure(sock, batch)
+        while True:
+            messages = await sock.recv_batch(batch)
+            now = trio.current_time()
+            handle = self._receiver()
+            for frames in messages:
+                try:
+                    handle(frames, now)
+                except Exception:
+                    self.observer.internal_error(self._received)
+            self._pump(activity=True)
+
+    async def _receive_secure(self, sock: TrioSocket, batch: int) -> None:
+        """The receive loop of secure mode: each message with its CURVE identity."""
+        while True:
+            messages = await sock.recv_batch_from(batch)
+            now = trio.current_time()
+            handle = self._receiver()
+            for frames, sender in messages:
+                try:
+                    handle(frames, now, sender)
+                except Exception:
+                    self.observer.internal_error(self._received)
+            self._pump(activity=True)
+
+
+# ---------------------------------------------------------------------------- setup
+
+
+def open_rank_sockets(
+    context: zmq.Context[zmq.Socket[bytes]],
+    settings: PeerSettings,
+    name: str,
+    *,
+    server_key: Callable[[str, int], str | None],
+    socket_name: str,
+    max_frame_bytes: int,
+) -> tuple[CurveGuard | None, PushPool, TrioSocket, int]:
+    """A rank's CURVE guard (secure mode, else ``None``), push pool and PULL socket
+    bound on ``settings.host``, with the port it got. ``name`` names the rank
+    (``"Prefill rank 0"``) to the guard and the pool; ``server_key`` gives the
+    pool each route's CURVE server key (secure mode only); ``socket_name`` and
+    ``max_frame_bytes`` are the PULL socket's (it takes at most
+    :data:`~tspd.shell.zmq.MAX_MESSAGE_FRAMES` frames a message). A bind that fails
+    closes what it opened and raises."""
+    security = settings.security
+    curve = (
+        CurveGuard(context, security.curve, name)
+        if security is not None and security.curve is not None
+        else None
+    )
+    pushes = PushPool(
+        context,
+        name=name,
+        max_sockets=settings.push_sockets,
+        idle_ttl=settings.push_idle_ttl,
+        curve=curve,
+        server_key=server_key if curve is not None else None,
+    )
+    try:
+        sock, port = _bind_pull(
+            context, settings.host, curve, max_frame_bytes=max_frame_bytes, name=socket_name
+        )
+    except BaseException:
+        if curve is not None:
+            curve.close()
+        raise
+    return curve, pushes, sock, port
+
+
+def _bind_pull(
+    context: zmq.Context[zmq.Socket[bytes]],
+    host: str,
+    curve: CurveGuard | None,
+    *,
+    max_frame_bytes: int,
+    name: str,
+) -> tuple[TrioSocket, int]:
+    sock = open_socket(
+        context,
+        zmq.PULL,
+        max_frame_bytes=max_frame_bytes,
+        max_frames=MAX_MESSAGE_FRAMES,
+        name=name,
+    )
+    try:
+        if curve is not None:
+            curve.server(sock, f"the {name}")
+        port = bind_free_port(sock, host)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, port
+
+
+@asynccontextmanager
+async def open_peer_nursery(
+    security: SecurityConfig | None,
+) -> AsyncIterator[tuple[BootstrapClient, trio.Nursery]]:
+    """A peer's bootstrap client and the nursery its tasks run in, for the duration
+    of the block; leaving it cancels every task. A group of one error from the
+    tasks or the block is raised as that error (:func:`~tspd.shell.nursery.single_error`)."""
+    with single_error():
+        async with (
+            BootstrapClient(security=security) as client,
+            trio.open_nursery() as nursery,
+        ):
+            try:
+                yield client, nursery
+            finally:
+                nursery.cancel_scope.cancel()
