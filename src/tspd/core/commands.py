@@ -258,6 +258,14 @@ Command = (
 
 
 # ------------------------------------------------------------------------------ events
+#
+# Every event names its request (``rid``) and, beside it, its ``room`` and ``at``:
+# when the outcome happened on this rank (Prefill ``Succeeded``: when ``Success`` went
+# to the destinations; Decode ``RemotePrefillDone``: when the completing ``Success``
+# arrived; ``Failed``: when the room failed here; ``Bootstrapped``: when the group
+# agreed), on the clock the shell sets (a peer: the host's monotonic clock,
+# ``time.monotonic()``, docs/architecture.md#event-times). Neither takes part in
+# equality: an event is identified by its request.
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +274,8 @@ class Bootstrapped:
     route (Decode): the scheduler may go on with it."""
 
     rid: str
+    room: int = field(default=-1, compare=False)
+    at: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +283,8 @@ class Succeeded:
     """Prefill: the request's KV reached every destination; it is forgotten."""
 
     rid: str
+    room: int = field(default=-1, compare=False)
+    at: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +300,8 @@ class Failed:
     rid: str
     reason: str
     pages_held: bool = field(default=False, compare=False)
+    room: int = field(default=-1, compare=False)
+    at: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +325,8 @@ class RemotePrefillDone:
     spec_candidate_ids: tuple[int, ...]
     cached_tokens: int
     bootstrap_logprob: float | None
+    room: int = field(default=-1, compare=False)
+    at: float = field(default=0.0, compare=False)
 
 
 Event = Bootstrapped | Succeeded | Failed | RemotePrefillDone | PagesReleased

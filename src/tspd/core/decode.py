@@ -918,15 +918,18 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         self._free = ()
         return events
 
-    def _succeeded(self, request: _Receiver) -> Event:
-        return self._prefill_done(request)
+    def _succeeded(self, request: _Receiver, now: float) -> Event:
+        return self._prefill_done(request, now)
 
     def _failed(self, request: _Receiver, reason: str, index: int, now: float) -> Event:
         # Some rank of the group may still have its pages written: they stay held.
         pages_held = self._free[index] == 0
         if pages_held:
             self._hold(request, now)
-        return Failed(request.rid, reason, pages_held)
+        room = request.room
+        return Failed(
+            request.rid, reason, pages_held, room, self._event_time(room, Mark.FAILED, now)
+        )
 
     def _hold(self, receiver: _Receiver, now: float) -> None:
         """Keep a failed room's pages held until every expected Prefill rank that got
@@ -970,15 +973,19 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
                 events.append(PagesReleased(entry.rid, room, timed_out))
         return events
 
-    def _prefill_done(self, receiver: _Receiver) -> RemotePrefillDone:
-        """The event of a request whose KV arrived, with what Prefill reported."""
-        completion = self._completions.get(receiver.room) or _Completion()
+    def _prefill_done(self, receiver: _Receiver, now: float) -> RemotePrefillDone:
+        """The event of a request whose KV arrived, with what Prefill reported and when
+        the completing ``Success`` arrived."""
+        room = receiver.room
+        completion = self._completions.get(room) or _Completion()
         return RemotePrefillDone(
             receiver.rid,
             completion.bootstrap_token,
             completion.spec_candidate_ids or (),
             completion.cached_tokens,
             completion.bootstrap_logprob,
+            room,
+            self._event_time(room, Mark.COMPLETED, now),
         )
 
     # ------------------------------------------------------------------ timers

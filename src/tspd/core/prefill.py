@@ -905,11 +905,13 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
         ):
             self._stalled.append(request)
 
-    def _succeeded(self, request: TrackedRequest) -> Event:
-        return Succeeded(request.rid)
+    def _succeeded(self, request: TrackedRequest, now: float) -> Event:
+        room = request.room
+        return Succeeded(request.rid, room, self._event_time(room, Mark.NOTIFIED, now))
 
     def _failed(self, request: TrackedRequest, reason: str, index: int, now: float) -> Event:
-        return Failed(request.rid, reason)
+        room = request.room
+        return Failed(request.rid, reason, room=room, at=self._event_time(room, Mark.FAILED, now))
 
     def _forget_request(self, sender: TrackedRequest, now: float) -> None:
         del self._requests[sender.rid]

@@ -40,7 +40,7 @@ from tspd.core.machines import (
 from tspd.core.poll import FaultInjection, TransferPoll
 from tspd.core.reasons import Failure, ReasonClass
 from tspd.core.rooms import RoomTable
-from tspd.core.trace import RoomTrace, RoomTracer, Side, TraceConfig
+from tspd.core.trace import Mark, RoomTrace, RoomTracer, Side, TraceConfig
 
 __all__ = ["RankCore", "TrackedRequest"]
 
@@ -118,6 +118,10 @@ class RankCore(Generic[R, C]):
         #: Tracked requests by rid, in registration order.
         self._requests: dict[str, R] = {}
         self._announcing = announcing
+        #: Subtracted from the core's times in the events' ``at``: the shell sets it
+        #: so that ``at`` reads on the host's monotonic clock (its own clock minus
+        #: ``time.monotonic()``); 0 leaves the core's clock.
+        self.event_clock_offset = 0.0
         self._faults = FaultInjection(fault_prob, fault_seed) if fault_prob > 0 else None
 
     # ------------------------------------------------------------------ outputs
@@ -197,6 +201,12 @@ class RankCore(Generic[R, C]):
         self._commands.append(RoomFailed(room, kept.message, kept.timeout_stage, kept.cls))
         return True
 
+    def _event_time(self, room: int, mark: Mark, now: float) -> float:
+        """When ``room`` reached ``mark`` here (``now`` if it has no such mark), on
+        the events' clock."""
+        when = self._trace.when(room, mark)
+        return (now if when is None else when) - self.event_clock_offset
+
     def _conclusion(self, request: R) -> str:
         """The reason a failed request's event carries."""
         failure = self._rooms.failure(request.room)
@@ -246,10 +256,11 @@ class RankCore(Generic[R, C]):
                     # A room may succeed before its Bootstrapped event went out: the
                     # event comes first, the success on a later poll.
                     request.fire(RequestTrigger.ANNOUNCE)
-                    events.append(Bootstrapped(request.rid))
+                    at = now - self.event_clock_offset
+                    events.append(Bootstrapped(request.rid, request.room, at))
                 elif value == success and request.state not in unannounced:
                     request.fire(RequestTrigger.GROUP_SUCCEEDED)
-                    events.append(self._succeeded(request))
+                    events.append(self._succeeded(request, now))
                     self._forget_request(request, now)
                 else:
                     self._still_open(request, value, now)
@@ -287,7 +298,7 @@ class RankCore(Generic[R, C]):
     def _still_open(self, request: R, value: int, now: float) -> None:
         """A live agreed value that neither announces nor ends ``request``."""
 
-    def _succeeded(self, request: R) -> Event:
+    def _succeeded(self, request: R, now: float) -> Event:
         """The scheduler's event for a request the group agreed succeeded."""
         raise NotImplementedError
 

@@ -356,6 +356,12 @@ class RoomTracer:
 
     # -- queries -------------------------------------------------------------------
 
+    def when(self, room: int, mark: Mark) -> float | None:
+        """When the live room first reached ``mark``, or ``None`` (cheap: no trace is
+        built)."""
+        live = self._live.get(room)
+        return None if live is None else live.marks.get(mark)
+
     def trace(self, room: int) -> RoomTrace | None:
         """The room's live trace, else its most recent kept one, else ``None``."""
         live = self._live.get(room)

@@ -30,6 +30,7 @@ then the bootstrap client and the task nursery.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -57,6 +58,7 @@ __all__ = [
     "RankConfig",
     "RankPeer",
     "Receiver",
+    "host_clock_offset",
     "open_peer_nursery",
     "open_rank_sockets",
 ]
@@ -98,6 +100,28 @@ class PeerCore(ObservedCore, Protocol[CmdT_co]):
     def has_in_flight(self) -> bool: ...
 
     def room_state(self, room: int) -> RoomState: ...
+
+    #: Subtracted from the core's times in its events (:func:`host_clock_offset`).
+    event_clock_offset: float
+
+
+def host_clock_offset() -> float:
+    """The running Trio clock minus the host's monotonic clock (``time.monotonic()``),
+    for events' times (docs/architecture.md#event-times). Trio's own clock is
+    ``perf_counter()`` plus a random offset; where ``perf_counter`` and ``monotonic``
+    are the same clock (Linux: ``CLOCK_MONOTONIC``) that offset is exact. A clock
+    that is not Trio's system clock (a test's ``MockClock``, virtual time) gives 0:
+    events keep the Trio clock's times."""
+    clock = trio.lowlevel.current_clock()
+    offset = getattr(clock, "offset", None)
+    if type(clock).__name__ != "SystemClock" or not isinstance(offset, float):
+        return 0.0
+    if (
+        time.get_clock_info("perf_counter").implementation
+        != time.get_clock_info("monotonic").implementation
+    ):
+        return trio.current_time() - time.monotonic()
+    return offset
 
 
 class Receiver(Protocol):
@@ -147,6 +171,8 @@ class RankPeer(Generic[CmdT]):
         curve: CurveGuard | None,
     ) -> None:
         self.core = core
+        # Events carry their times on the host's monotonic clock.
+        core.event_clock_offset = host_clock_offset()
         #: Secure mode's CURVE keys and ZAP domain (``None`` in plain mode).
         self.curve = curve
         #: Logs, metrics and traces of this rank (:mod:`tspd.shell.observe`).
