@@ -42,8 +42,12 @@ def modules_of(package: str) -> list[str]:
 def _api_section(match: re.Match[str]) -> str:
     parts = []
     for name in modules_of(match["package"]):
+        # A package's own page is its docstring: what its __all__ re-exports is
+        # documented once, in the module that defines it.
+        is_package = hasattr(importlib.import_module(name), "__path__")
+        options = "   :no-members:\n" if is_package else ""
         # eval-rst: the docstrings are reStructuredText, not Markdown.
-        parts.append(f"## `{name}`\n\n```{{eval-rst}}\n.. automodule:: {name}\n```\n")
+        parts.append(f"## `{name}`\n\n```{{eval-rst}}\n.. automodule:: {name}\n{options}```\n")
     return "\n".join(parts)
 
 

@@ -13,6 +13,8 @@ from tspd.core.machines import (
     PREFILL_ADDRESS_HEALTH_TABLE,
     PREFILL_ROOM,
     PREFILL_ROOM_TABLE,
+    PREFILL_TRANSFER,
+    PREFILL_TRANSFER_TABLE,
     REQUEST,
     REQUEST_TABLE,
     CompiledMachine,
@@ -22,8 +24,11 @@ from tspd.core.machines import (
     RequestState,
     RequestTrigger,
     RoomState,
+    TransferState,
+    TransferTrigger,
     compile_machine,
     fire_request,
+    fire_transfer,
 )
 from tspd.core.poll import TransferPoll
 
@@ -32,6 +37,7 @@ MACHINES = [
     pytest.param(DECODE_ROOM, DECODE_ROOM_TABLE, id="decode-room"),
     pytest.param(PREFILL_ADDRESS_HEALTH, PREFILL_ADDRESS_HEALTH_TABLE, id="address-health"),
     pytest.param(REQUEST, REQUEST_TABLE, id="request"),
+    pytest.param(PREFILL_TRANSFER, PREFILL_TRANSFER_TABLE, id="prefill-transfer"),
 ]
 ROOM_MACHINES = MACHINES[:2]
 
@@ -171,6 +177,26 @@ def test_request_happy_paths() -> None:
     assert state is RequestState.SUCCEEDED_UNANNOUNCED
     assert not REQUEST_TABLE.allowed(state, RequestTrigger.GROUP_SUCCEEDED)
     assert fire_request(state, RequestTrigger.ANNOUNCE) is RequestState.SUCCEEDED
+
+
+def test_a_layerwise_transfer_reports_once_written_and_the_token_known() -> None:
+    state = TransferState.ABSENT
+    for trigger, expected in [
+        (TransferTrigger.ARM_CHUNK, TransferState.STREAMING),
+        (TransferTrigger.ARM_CHUNK, TransferState.STREAMING),
+        (TransferTrigger.ARM_FINAL_CHUNK, TransferState.FINAL_IN_FLIGHT),
+        (TransferTrigger.WRITTEN, TransferState.AWAITING_TOKEN),
+        (TransferTrigger.REPORTED, TransferState.STREAMED),
+    ]:
+        state = fire_transfer(state, trigger)
+        assert state is expected
+    # Nothing goes out after the final chunk; a full transfer is handed over once.
+    assert not PREFILL_TRANSFER_TABLE.allowed(TransferState.STREAMED, TransferTrigger.ARM_CHUNK)
+    sending = fire_transfer(TransferState.ABSENT, TransferTrigger.HAND_OVER)
+    assert not PREFILL_TRANSFER_TABLE.allowed(sending, TransferTrigger.HAND_OVER)
+    assert fire_transfer(sending, TransferTrigger.REPORTED) is TransferState.ABSENT
+    for any_state in TransferState:
+        assert fire_transfer(any_state, TransferTrigger.STOPPED) is TransferState.ABSENT
 
 
 def test_abort_and_ttl_expiry_are_transitions_of_the_prefill_room() -> None:

@@ -35,6 +35,7 @@ from tspd.core.machines import (
     DECODE_ROOM,
     PREFILL_ADDRESS_HEALTH,
     PREFILL_ROOM,
+    PREFILL_TRANSFER,
     REQUEST,
     MachineDeclaration,
 )
@@ -51,6 +52,7 @@ __all__ = [
 
 DECLARATIONS: tuple[MachineDeclaration, ...] = (
     PREFILL_ROOM,
+    PREFILL_TRANSFER,
     DECODE_ROOM,
     REQUEST,
     PREFILL_ADDRESS_HEALTH,

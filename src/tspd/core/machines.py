@@ -17,6 +17,10 @@ Machines:
   (docs/protocol.md#proto-prefill-room-table).
 * :data:`DECODE_ROOM` — one room on one Decode rank
   (docs/protocol.md#proto-decode-room-table).
+* :data:`PREFILL_TRANSFER` — the outgoing transfer of one room on one Prefill rank:
+  the sub-states of ``Bootstrapped`` (streaming layerwise chunks, the final chunk
+  with the workers, written and waiting for the bootstrap token)
+  (docs/protocol.md#proto-prefill-room-table).
 * :data:`REQUEST` — one request a scheduler tracks on one rank, either side: how
   this rank's value for it concludes (room outcome, bootstrap or waiting timeout,
   injected fault) and how the group's agreed value ends it
@@ -53,6 +57,8 @@ __all__ = [
     "PREFILL_ADDRESS_HEALTH_TABLE",
     "PREFILL_ROOM",
     "PREFILL_ROOM_TABLE",
+    "PREFILL_TRANSFER",
+    "PREFILL_TRANSFER_TABLE",
     "REQUEST",
     "REQUEST_TABLE",
     "AddressHealth",
@@ -64,8 +70,11 @@ __all__ = [
     "RequestState",
     "RequestTrigger",
     "RoomState",
+    "TransferState",
+    "TransferTrigger",
     "compile_machine",
     "fire_request",
+    "fire_transfer",
 ]
 
 
@@ -159,6 +168,43 @@ class DecodeTrigger(enum.StrEnum):
     PREFILL_LOST = "prefill_lost"
     #: The room ended (terminal event processed).
     FORGET = "forget"
+
+
+class TransferState(enum.StrEnum):
+    """The outgoing transfer of a room on a Prefill rank (:data:`PREFILL_TRANSFER`):
+    what ``Bootstrapped`` is made of until the room reports ``Success``. The room's
+    status stays ``Bootstrapped`` meanwhile (TokenSpeed's Prefill reports nothing
+    between ``Bootstrapped`` and ``Success``)."""
+
+    #: No chunk went to the transfer workers yet.
+    ABSENT = "Absent"
+    #: Layerwise: chunks are armed on the producer steps; the final one is not.
+    STREAMING = "Streaming"
+    #: Layerwise: the final chunk is with the workers.
+    FINAL_IN_FLIGHT = "FinalInFlight"
+    #: Layerwise: every chunk is written; ``Success`` waits for the bootstrap token.
+    AWAITING_TOKEN = "AwaitingToken"
+    #: Layerwise: ``Success`` went to the destinations (a late token is kept).
+    STREAMED = "Streamed"
+    #: Full transfer: the room's one chunk is with the workers.
+    SENDING = "Sending"
+
+
+class TransferTrigger(enum.StrEnum):
+    """What happens to a Prefill room's outgoing transfer."""
+
+    #: A layerwise chunk other than the final one was armed.
+    ARM_CHUNK = "arm_chunk"
+    #: The final layerwise chunk was armed.
+    ARM_FINAL_CHUNK = "arm_final_chunk"
+    #: The hand-over planned a full transfer and gave it to the workers.
+    HAND_OVER = "hand_over"
+    #: The final chunk is written and the bootstrap token has not arrived.
+    WRITTEN = "written"
+    #: ``Success`` went to every destination (written, token known).
+    REPORTED = "reported"
+    #: The room failed or ended: nothing more goes out.
+    STOPPED = "stopped"
 
 
 class RequestState(enum.StrEnum):
@@ -410,6 +456,33 @@ DECODE_ROOM: Final[MachineDeclaration] = _declare(
     },
 )
 
+_X = TransferState
+_Y = TransferTrigger
+
+#: A Prefill room's outgoing transfer (docs/protocol.md#proto-prefill-room-table):
+#: layerwise chunks stream on the producer steps, the final one is written, and
+#: ``Success`` goes out once the bootstrap token is known (the hand-over may bring it
+#: before or after the final chunk is written); a full transfer is one chunk.
+#: ``stopped`` (the room failed, or ended) drops it from any state.
+PREFILL_TRANSFER: Final[MachineDeclaration] = _declare(
+    "PrefillTransfer",
+    TransferState,
+    _X.ABSENT,
+    TransferTrigger,
+    {
+        _Y.ARM_CHUNK: {_X.ABSENT: _X.STREAMING, _X.STREAMING: _X.STREAMING},
+        _Y.ARM_FINAL_CHUNK: {_X.ABSENT: _X.FINAL_IN_FLIGHT, _X.STREAMING: _X.FINAL_IN_FLIGHT},
+        _Y.HAND_OVER: {_X.ABSENT: _X.SENDING},
+        _Y.WRITTEN: {_X.FINAL_IN_FLIGHT: _X.AWAITING_TOKEN},
+        _Y.REPORTED: {
+            _X.FINAL_IN_FLIGHT: _X.STREAMED,
+            _X.AWAITING_TOKEN: _X.STREAMED,
+            _X.SENDING: _X.ABSENT,
+        },
+        _Y.STOPPED: {s: _X.ABSENT for s in TransferState},
+    },
+)
+
 _R = RequestState
 _Q = RequestTrigger
 _OPEN: Final = (_R.REGISTERED, _R.ANNOUNCED)
@@ -471,11 +544,27 @@ PREFILL_ROOM_TABLE: Final[CompiledMachine] = compile_machine(PREFILL_ROOM)
 DECODE_ROOM_TABLE: Final[CompiledMachine] = compile_machine(DECODE_ROOM)
 PREFILL_ADDRESS_HEALTH_TABLE: Final[CompiledMachine] = compile_machine(PREFILL_ADDRESS_HEALTH)
 REQUEST_TABLE: Final[CompiledMachine] = compile_machine(REQUEST)
+PREFILL_TRANSFER_TABLE: Final[CompiledMachine] = compile_machine(PREFILL_TRANSFER)
 
 #: :data:`REQUEST_TABLE` with its destinations as members, for the per-request loops.
 _REQUEST_NEXT: Final[Mapping[tuple[str, str], RequestState]] = MappingProxyType(
     {key: RequestState(dest) for key, dest in REQUEST_TABLE.table.items()}
 )
+
+
+_TRANSFER_NEXT: Final[Mapping[tuple[str, str], TransferState]] = MappingProxyType(
+    {key: TransferState(dest) for key, dest in PREFILL_TRANSFER_TABLE.table.items()}
+)
+
+
+def fire_transfer(state: TransferState, trigger: TransferTrigger) -> TransferState:
+    """The state ``trigger`` moves a Prefill room's transfer to
+    (:data:`PREFILL_TRANSFER`); raises :class:`ProtocolError` for a pair the machine
+    does not allow."""
+    new = _TRANSFER_NEXT.get((state, trigger))
+    if new is None:
+        return TransferState(PREFILL_TRANSFER_TABLE.fire(state, trigger))
+    return new
 
 
 def fire_request(state: RequestState, trigger: RequestTrigger) -> RequestState:

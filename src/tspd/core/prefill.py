@@ -67,7 +67,16 @@ from tspd.core.config import check_rank_config, parse_pd_env
 from tspd.core.contract import CacheContract, check_local_contract
 from tspd.core.copies import plan_steps
 from tspd.core.errors import ConfigError, PlanError, ProtocolError, TspdError
-from tspd.core.machines import PREFILL_ROOM_TABLE, PrefillTrigger, RequestTrigger, RoomState
+from tspd.core.machines import (
+    PREFILL_ROOM_TABLE,
+    PREFILL_TRANSFER_TABLE,
+    PrefillTrigger,
+    RequestTrigger,
+    RoomState,
+    TransferState,
+    TransferTrigger,
+    fire_transfer,
+)
 from tspd.core.manifest import (
     BlockManifest,
     Selection,
@@ -134,6 +143,18 @@ _MIN_INT32, _MAX_INT32 = -(2**31), 2**31 - 1
 _BOOTSTRAPPING: Final = int(TransferPoll.BOOTSTRAPPING)
 #: Agreed values that announce ``Bootstrapped`` (once) or, later, succeed.
 _ANNOUNCING: Final = frozenset({int(TransferPoll.BOOTSTRAPPED), int(TransferPoll.SUCCESS)})
+#: Transfer states of a room that streams layerwise.
+_LAYERWISE: Final = frozenset(
+    {
+        TransferState.STREAMING,
+        TransferState.FINAL_IN_FLIGHT,
+        TransferState.AWAITING_TOKEN,
+        TransferState.STREAMED,
+    }
+)
+_AWAITING_TOKEN: Final = frozenset({TransferState.AWAITING_TOKEN})
+#: Transfer states with a final chunk handed to the workers and not yet reported.
+_WITH_WORKERS: Final = frozenset({TransferState.FINAL_IN_FLIGHT, TransferState.SENDING})
 _TIMEOUT_WARNING = (
     "Some requests timed out when bootstrapping: the decode instance never sent their "
     "cache manifest. Raise TOKENSPEED_DISAGGREGATION_BOOTSTRAP_TIMEOUT (read by "
@@ -289,21 +310,34 @@ class _PerRoom:
     #: Rooms no tracked request claims -> since when (their TTL clock).
     unclaimed: RoomClocks = field(default_factory=RoomClocks)
     usage: dict[int, _Usage] = field(default_factory=dict)
-    layerwise: set[int] = field(default_factory=set)
     metadata: dict[int, _Metadata] = field(default_factory=dict)
-    #: Layerwise rooms whose final chunk is written, waiting for their token.
-    written: set[int] = field(default_factory=set)
-    #: Rooms with a final chunk handed to a worker and not yet reported.
-    in_flight: set[int] = field(default_factory=set)
+    #: Rooms whose outgoing transfer started -> its state
+    #: (:data:`~tspd.core.machines.PREFILL_TRANSFER`); absent: nothing went out yet.
+    transfers: dict[int, TransferState] = field(default_factory=dict)
+
+    def transfer(self, room: int) -> TransferState:
+        """The room's outgoing transfer state."""
+        return self.transfers.get(room, TransferState.ABSENT)
+
+    def fire(self, room: int, trigger: TransferTrigger) -> TransferState:
+        """Move the room's transfer through its machine."""
+        new = fire_transfer(self.transfers.get(room, TransferState.ABSENT), trigger)
+        if new is TransferState.ABSENT:
+            self.transfers.pop(room, None)
+        else:
+            self.transfers[room] = new
+        return new
+
+    def count(self, states: frozenset[TransferState]) -> int:
+        """How many rooms' transfers are in ``states``."""
+        return sum(1 for state in self.transfers.values() if state in states)
 
     def clear(self, room: int) -> None:
         self.destinations.pop(room, None)
         self.unclaimed.pop(room)
         self.usage.pop(room, None)
-        self.layerwise.discard(room)
         self.metadata.pop(room, None)
-        self.written.discard(room)
-        self.in_flight.discard(room)
+        self.transfers.pop(room, None)
 
 
 class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
@@ -417,10 +451,10 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
             "unclaimed": len(per_room.unclaimed),
             "destinations": len(per_room.destinations),
             "usage": len(per_room.usage),
-            "layerwise_rooms": len(per_room.layerwise),
+            "layerwise_rooms": per_room.count(_LAYERWISE),
             "metadata": len(per_room.metadata),
-            "awaiting_token": len(per_room.written),
-            "transfers_in_flight": len(per_room.in_flight),
+            "awaiting_token": per_room.count(_AWAITING_TOKEN),
+            "transfers_in_flight": per_room.count(_WITH_WORKERS),
             "registrations": len(self._registrations),
             "rejected": len(self._rejected),
             "failed_sessions": len(self._failed_sessions),
@@ -489,8 +523,8 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
         that pre-allocated for it; its destinations are dropped."""
         self._fail_room(room, failure, now, trigger)
         self._touch(room, now)
-        self._per_room.in_flight.discard(room)
-        self._per_room.written.discard(room)
+        if room in self._per_room.transfers:
+            self._per_room.fire(room, TransferTrigger.STOPPED)
         for destination in self._per_room.destinations.pop(room, ()):
             if destination.manifest is None:
                 continue
@@ -1004,10 +1038,10 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
             )
             return
         state = self._rooms.state(room)
-        if room in self._per_room.layerwise:
+        transfer = self._per_room.transfer(room)
+        if transfer in _LAYERWISE:
             self._per_room.metadata[room] = metadata
-            if room in self._per_room.written:
-                self._per_room.written.discard(room)
+            if transfer is TransferState.AWAITING_TOKEN:
                 self._report_success(room, now)
             return
         destinations = self._per_room.destinations.get(room)
@@ -1016,7 +1050,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
                 f"Cache-transfer destination metadata is unavailable for room {room} "
                 f"(room is {state.value}): hand over only after the Bootstrapped event"
             )
-        if room in self._per_room.in_flight:
+        if transfer is not TransferState.ABSENT:
             raise ProtocolError(f"room {room} was already handed over")
         windows = [d.manifest for d in destinations if d.manifest is not None]
         if not windows:
@@ -1042,7 +1076,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
         if writes is None:
             return
         self._per_room.metadata[room] = metadata
-        self._per_room.in_flight.add(room)
+        self._per_room.fire(room, TransferTrigger.HAND_OVER)
         self._start(room, destinations, ((None, writes[0]),), final=True, now=now)
 
     def _plan_writes(
@@ -1147,7 +1181,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
                 windows[0],
                 row.extend_prefix_len,
                 row.extend_prefix_len + row.input_length,
-                first=room not in self._per_room.layerwise,
+                first=self._per_room.transfer(room) is TransferState.ABSENT,
             )
             if selection is not None:
                 chunks.append((room, selection))
@@ -1160,8 +1194,18 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
     def _arm_chunk(self, room: int, selection: Selection, targets: list[int], now: float) -> None:
         if self._rooms.ended(room):
             return
+        trigger = (
+            TransferTrigger.ARM_FINAL_CHUNK if selection.is_final else TransferTrigger.ARM_CHUNK
+        )
+        if not PREFILL_TRANSFER_TABLE.allowed(self._per_room.transfer(room), trigger):
+            # Past its final chunk (a room that already streamed): nothing more goes out.
+            self._log(
+                LogLevel.DEBUG,
+                f"room {room} already streamed its final chunk: a later chunk is not sent",
+                room,
+            )
+            return
         destinations = self._per_room.destinations.get(room, [])
-        self._per_room.layerwise.add(room)
         try:
             writes = self._plan_writes(room, destinations, selection, self._interval_fields, now)
         except TspdError as err:
@@ -1169,8 +1213,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
             return
         if writes is None:
             return
-        if selection.is_final:
-            self._per_room.in_flight.add(room)
+        self._per_room.fire(room, trigger)
         if self.config.layerwise_debug:
             self._log(
                 LogLevel.INFO,
@@ -1194,13 +1237,19 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
         (docs/protocol.md#proto-prefill-room-table). A layerwise room whose token has not arrived
         yet reports
         when :meth:`hand_over` brings it. Ignored for a room that already ended."""
-        self._per_room.in_flight.discard(room)
         if self._rooms.ended(room):
             self._log(LogLevel.DEBUG, f"room {room} ended before its transfer finished", room)
             return
+        if self._per_room.transfer(room) not in _WITH_WORKERS:
+            self._log(
+                LogLevel.DEBUG,
+                f"ignoring a written final chunk of room {room}: none is with the workers",
+                room,
+            )
+            return
         self._trace.mark(room, Mark.WRITTEN, now)
         if room not in self._per_room.metadata:
-            self._per_room.written.add(room)
+            self._per_room.fire(room, TransferTrigger.WRITTEN)
             return
         self._report_success(room, now)
 
@@ -1225,6 +1274,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
             if route is not None:
                 self._send(route, frames, room)
         self._rooms.fire(room, PrefillTrigger.TRANSFER_SUCCEEDED)
+        self._per_room.fire(room, TransferTrigger.REPORTED)
         self._per_room.destinations.pop(room, None)
         self._trace.mark(room, Mark.NOTIFIED, now)
 
@@ -1252,7 +1302,6 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
         The failure's class is ``transfer``, or ``peer-dead`` when no session is named
         and one of the room's destinations is a failed session (a layerwise wait
         that saw its peer fail)."""
-        self._per_room.in_flight.discard(room)
         close: tuple[str, int] | None = None
         cls = ReasonClass.TRANSFER
         if session_id is None and any(
