@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import inspect
 import threading
 import time
 from collections.abc import Iterator
@@ -22,15 +23,18 @@ from tspd.core.commands import Bootstrapped, Event, Failed, RemotePrefillDone, S
 from tspd.core.errors import ProtocolError
 from tspd.core.kv_events import AllBlocksCleared, BlockStored, KVEvent
 from tspd.hosts.bridge import BridgeClosed
+from tspd.hosts.services import ServiceNursery
 from tspd.hosts.threads import (
     ThreadedDecode,
+    ThreadedPeer,
     ThreadedPrefill,
     ThreadedSubscriber,
     TrioThread,
     open_trio_thread,
 )
+from tspd.shell.decode import DecodePeer
 from tspd.shell.kv_subscriber import ReceivedBatch
-from tspd.shell.prefill import ExtendRow
+from tspd.shell.prefill import ExtendRow, PrefillOutbox, PrefillPeer, ReleaseRefused
 from tspd.shell.steps import StepCounter
 from tspd.testing.fake_engine import AsyncFakeEngine
 from tspd.testing.local_pd import LocalPD, Prompt
@@ -326,6 +330,25 @@ def test_services_close_newest_first() -> None:
     assert order == ["decode", "prefill", "bootstrap"]
 
 
+async def test_a_service_that_will_not_close_is_named_then_cancelled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    @contextlib.asynccontextmanager
+    async def service(name: str, linger: float) -> Any:
+        try:
+            yield name
+        finally:
+            await trio.sleep(linger)  # until the owner cancels it
+
+    async with trio.open_nursery() as nursery:
+        services = ServiceNursery(nursery, owner="the test host")
+        await services.enter(service("quick", 0), name="quick")
+        await services.enter(service("stuck", 5), name="stuck")
+        await services.close_within(0.05)
+        nursery.cancel_scope.cancel()
+    assert "the test host: services quick, stuck did not close within" in caplog.text
+
+
 def test_posts_run_in_order_from_many_threads() -> None:
     seen: list[tuple[int, int]] = []
     with open_trio_thread() as host:
@@ -368,4 +391,98 @@ def test_a_thread_scheduler_sleeps_until_its_peer_sees_activity(pd: LocalPD) -> 
             if done is None:
                 # Each side's activity wakes its own waiter; bound each wait.
                 decode.wait_for_activity(0.2) or prefill.wait_for_activity(0.2)
+        assert isinstance(done, RemotePrefillDone), done
+
+
+def _public_members(*apis: type) -> set[str]:
+    """The public methods and properties of ``apis``, inherited ones included."""
+    return {
+        name
+        for api in apis
+        for name in dir(api)
+        if not name.startswith("_")
+        and (callable(value := inspect.getattr_static(api, name)) or isinstance(value, property))
+    }
+
+
+@pytest.mark.parametrize(
+    ("facade", "apis"),
+    [(ThreadedPrefill, (PrefillPeer, PrefillOutbox)), (ThreadedDecode, (DecodePeer,))],
+)
+def test_the_facades_cover_the_peers_api(
+    facade: type[ThreadedPeer[Any]], apis: tuple[type, ...]
+) -> None:
+    """Every public member of the peer (and Prefill's outbox) is either on the facade
+    or listed, with a reason, in its ``not_exposed``: the facade cannot fall behind."""
+    public = _public_members(*apis)
+    not_exposed = dict(facade.not_exposed)
+    exposed = {name for name in public if hasattr(facade, name)}
+    missing = sorted(public - exposed - set(not_exposed))
+    assert missing == [], f"{facade.__name__} neither exposes nor lists as not exposed: {missing}"
+    assert sorted(set(not_exposed) - public) == [], "not_exposed names a member the peer lacks"
+    assert sorted(set(not_exposed) & exposed) == [], "not_exposed names an exposed member"
+    assert all(reason.strip() for reason in not_exposed.values())
+    for name in exposed:
+        method = getattr(facade, name)
+        source = getattr(method, "_derived_from", None)
+        if source is None:  # written by hand: poll, wait_for_activity
+            continue
+        assert source.__name__ == name
+        wrapped = list(inspect.signature(source).parameters)
+        assert list(inspect.signature(method).parameters) == wrapped, name
+        assert inspect.cleandoc(source.__doc__ or "") in (method.__doc__ or ""), name
+
+
+def test_a_thread_scheduler_puts_prefill_to_sleep_and_wakes_it(pd: LocalPD) -> None:
+    """Sleep and wake through the facade: refused while a request is tracked, then
+    the arena leaves the engine and comes back."""
+    with open_trio_thread() as host:
+        server = host.enter(pd.bootstrap_server())
+        peer = host.enter(pd.prefill_peer(server.address))
+        prefill = ThreadedPrefill(host, peer)
+        regions = peer.engine.engine.regions  # type: ignore[attr-defined]
+        prefill.register_request("s", 41).result(timeout=5)
+        with pytest.raises(ReleaseRefused, match=r"rooms \[41\]"):
+            prefill.release_registration()
+        prefill.abort(41, "the scheduler goes to sleep").result(timeout=5)
+        deadline = time.monotonic() + 10
+        while not any(isinstance(e, Failed) for e in prefill.poll(wait=0.05)):
+            assert time.monotonic() < deadline
+        assert prefill.release_registration() is None
+        assert peer.arena.base not in regions()
+        assert prefill.restore_registration() is None
+        assert peer.arena.base in regions()
+
+
+def test_poll_with_wait_brings_the_events_of_the_wake_in_one_call(pd: LocalPD) -> None:
+    """``poll(wait=t)`` sleeps in the Trio thread until the peer sees activity (at
+    most ``t``), then polls: an idle round lasts about ``t``, a busy one returns at
+    once with the events."""
+    with open_trio_thread() as host:
+        server = host.enter(pd.bootstrap_server())
+        prefill = ThreadedPrefill(host, host.enter(pd.prefill_peer(server.address)))
+        decode = ThreadedDecode(host, host.enter(pd.decode_peer()))
+        started = time.monotonic()
+        assert decode.poll(wait=0.05) == []
+        assert time.monotonic() - started >= 0.04
+        decode.register_request("pw", 3100, server.address)
+        prefill.register_request("pw", 3100)
+        started = time.monotonic()
+        events: list[Event] = []
+        while not events:  # the lookups' answers wake the round
+            events = decode.poll(wait=5.0)
+        assert time.monotonic() - started < 4.0
+        assert [type(e) for e in events] == [Bootstrapped]
+        decode.send_preallocation(3100, pd.preallocation(3100, PROMPT))
+        done: Event | None = None
+        deadline = time.monotonic() + 20
+        while done is None:
+            assert time.monotonic() < deadline
+            for event in prefill.poll(wait=0.05):
+                if isinstance(event, Bootstrapped):
+                    prefill.hand_over([pd.prompt("pw", 3100, PROMPT).row])
+            done = next(
+                (e for e in decode.poll(wait=0.05) if isinstance(e, RemotePrefillDone | Failed)),
+                None,
+            )
         assert isinstance(done, RemotePrefillDone), done

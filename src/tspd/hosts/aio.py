@@ -136,9 +136,7 @@ async def open_aio_bridge(
                 yield bridge
             finally:
                 bridge._open = False
-                with trio.CancelScope(shield=True) as scope:
-                    scope.deadline = trio.current_time() + CLOSE_TIMEOUT
-                    await services.aclose()
+                await services.close_within(CLOSE_TIMEOUT, shield=True)
                 nursery.cancel_scope.cancel()
 
 

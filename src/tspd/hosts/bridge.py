@@ -24,6 +24,10 @@ Rules that hold for both:
   read a subscriber with ``async for item in bridge.iterate(subscriber)``.
 * A Trio-side failure never leaves the asyncio side waiting: calls in flight
   when the bridge stops raise :class:`BridgeClosed`, and so does every later call.
+
+:class:`TrioHost` is what the hosts that run Trio themselves -- the guest
+(:class:`~tspd.hosts.guest.TrioGuest`) and the background thread
+(:class:`~tspd.hosts.threads.TrioThread`) -- keep about that run.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar, cast
 
-from tspd.core.errors import TspdError
+import trio
 
-__all__ = ["BridgeClosed", "TrioBridge", "iterate_via", "root_error"]
+from tspd.core.errors import TspdError
+from tspd.hosts.services import ServiceNursery
+
+__all__ = ["BridgeClosed", "TrioBridge", "TrioHost", "iterate_via", "root_error"]
 
 T = TypeVar("T")
 
@@ -49,6 +56,41 @@ def root_error(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+class TrioHost:
+    """A Trio run that a host started for code that is not Trio: its name, token,
+    service nursery and crash (shared by the guest and the background thread)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._services: ServiceNursery | None = None
+        self._crash: BaseException | None = None
+
+    @property
+    def name(self) -> str:
+        """The name of the run in messages (and of its thread, if it has one)."""
+        return self._name
+
+    @property
+    def token(self) -> trio.lowlevel.TrioToken:
+        """The run's token, for :class:`tspd.shell.threadsafe.LoopPortal` and
+        ``trio.from_thread`` calls from other threads."""
+        if self._token is None:
+            raise BridgeClosed(f"{self._name} has not started")
+        return self._token
+
+    def _require_services(self) -> ServiceNursery:
+        if self._services is None:
+            raise BridgeClosed(f"{self._name} has not started")
+        return self._services
+
+    def _closed_error(self, what: str) -> BridgeClosed:
+        reason = f"; it crashed: {self._crash!r}" if self._crash is not None else ""
+        error = BridgeClosed(f"{self._name} {what}{reason}")
+        error.__cause__ = self._crash
+        return error
 
 
 class TrioBridge(Protocol):

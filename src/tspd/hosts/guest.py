@@ -33,7 +33,7 @@ from typing import Any, TypeVar, final
 import outcome
 import trio
 
-from tspd.hosts.bridge import BridgeClosed, iterate_via, root_error
+from tspd.hosts.bridge import TrioHost, iterate_via, root_error
 from tspd.hosts.services import ServiceNursery
 from tspd.shell.nursery import single_error
 
@@ -73,35 +73,19 @@ class _Call:
 
 
 @final
-class TrioGuest:
+class TrioGuest(TrioHost):
     """A Trio run hosted by the running asyncio loop; get one from :func:`open_trio_guest`.
 
     Every method is called from asyncio code on the host loop.
     """
 
     def __init__(self, name: str) -> None:
-        self._name = name
-        self._token: trio.lowlevel.TrioToken | None = None
+        super().__init__(name)
         self._nursery: trio.Nursery | None = None
-        self._services: ServiceNursery | None = None
         self._stop: trio.Event | None = None
         self._active: set[_Call] = set()
         self._closing = False
-        self._crash: BaseException | None = None
         self._finished = False
-
-    @property
-    def name(self) -> str:
-        """The name the guest's messages use."""
-        return self._name
-
-    @property
-    def token(self) -> trio.lowlevel.TrioToken:
-        """The guest run's token, for :class:`tspd.shell.threadsafe.LoopPortal` and
-        ``trio.from_thread`` calls from the host's worker threads."""
-        if self._token is None:
-            raise BridgeClosed(f"{self._name} has not started")
-        return self._token
 
     @property
     def running(self) -> bool:
@@ -151,17 +135,6 @@ class TrioGuest:
         return iterate_via(self.run, source)
 
     # -- internals -------------------------------------------------------------------
-
-    def _require_services(self) -> ServiceNursery:
-        if self._services is None:
-            raise BridgeClosed(f"{self._name} has not started")
-        return self._services
-
-    def _closed_error(self, what: str) -> BridgeClosed:
-        reason = f"; it crashed: {self._crash!r}" if self._crash is not None else ""
-        error = BridgeClosed(f"{self._name} {what}{reason}")
-        error.__cause__ = self._crash
-        return error
 
     def _post(self, fn: Callable[..., object], *args: Any) -> None:
         if self._token is None or self._finished or self._closing or self._crash is not None:
@@ -242,15 +215,7 @@ class TrioGuest:
             for call in list(self._active):
                 if call.scope is not None:
                     call.scope.cancel()
-            with trio.move_on_after(CLOSE_TIMEOUT) as scope:
-                await self._services.aclose()
-            if scope.cancelled_caught:
-                log.error(
-                    "%s: services %s did not close within %.0f s; cancelling them",
-                    self._name,
-                    ", ".join(self._services.held) or "(none)",
-                    CLOSE_TIMEOUT,
-                )
+            await self._services.close_within(CLOSE_TIMEOUT)
             nursery.cancel_scope.cancel()
 
     def _request_stop(self) -> None:

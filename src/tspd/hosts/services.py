@@ -13,6 +13,7 @@ registered with), so each shuts down as it would at the end of an ``async with``
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar, final
@@ -20,6 +21,8 @@ from typing import Any, TypeVar, final
 import trio
 
 __all__ = ["ServiceNursery"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -78,9 +81,24 @@ class ServiceNursery:
         """Exit every held context manager, newest first, each to its end."""
         self._closed = True
         while self._held:
-            held = self._held.pop()
+            held = self._held[-1]  # still listed in ``held`` while it closes
             held.stop.set()
             await held.done.wait()
+            self._held.pop()
+
+    async def close_within(self, seconds: float, *, shield: bool = False) -> None:
+        """:meth:`aclose`, for at most ``seconds`` (``shield``: even while the caller
+        is cancelled); the services still held then are logged, and the owner
+        cancels them with its nursery."""
+        with trio.move_on_after(seconds, shield=shield) as scope:
+            await self.aclose()
+        if scope.cancelled_caught:
+            log.error(
+                "%s: services %s did not close within %.0f s; cancelling them",
+                self._owner,
+                ", ".join(self.held) or "(none)",
+                seconds,
+            )
 
     @staticmethod
     async def _hold(

@@ -4,21 +4,24 @@ An engine whose scheduler is a loop in an ordinary thread (no event loop at all)
 starts :func:`open_trio_thread`; the returned :class:`TrioThread` runs ``trio.run``
 in a daemon thread whose nursery holds the peers, the bootstrap server and the
 KV-event services. The scheduler then talks to them through thread-safe facades
-whose entry points never wait for a transfer (docs/architecture.md#threads):
+whose entry points never wait for a transfer (docs/architecture.md#threads).
 
-* :class:`ThreadedPrefill` -- ``register_request``, ``abort``, ``record_usage``,
-  ``hand_over``, ``stage_remote_decode`` / ``hand_over_remote_decode`` and
-  ``arm_layerwise`` post into the Trio loop and return a
-  ``concurrent.futures.Future`` at once (ignore it, or call ``result()`` for the
-  error the call raised); ``poll()`` waits only for the poll round itself (the TP
-  group's agreement), never for a transfer.
-* :class:`ThreadedDecode` -- ``register_request`` and ``send_preallocation`` post,
-  ``poll()`` as above.
-* Both have ``wait_for_activity(timeout)``: block until the peer saw something
-  arrive (one wake from the Trio thread, no polling), then ``poll()``.
-* :class:`ThreadedSubscriber` -- ``get(timeout)`` returns the next KV-event item or
-  ``None``. Publishing needs no facade: :class:`~tspd.shell.kv_publisher.KVEventPublisher`
-  ``publish`` / ``publish_nowait`` are thread-safe already.
+The Prefill and Decode facades (:class:`ThreadedPrefill`, :class:`ThreadedDecode`)
+are not written out again: each method is declared from the peer method of the
+same name, keeping its parameters, types and docstring, and only says how it
+crosses -- *posted* (run in the Trio thread soon; a ``concurrent.futures.Future``
+comes back at once: ignore it, or ``result()`` for the error the call raised),
+*called* or *awaited* (the caller waits for the result), or for Prefill's forward
+side through the peer's :class:`~tspd.shell.prefill.PrefillOutbox`. A facade's
+``not_exposed`` names, with the reason, the public peer members it leaves out; a
+test fails on any other that is missing. ``poll()`` waits for the poll round (the
+TP group's agreement), never for a transfer; an idle scheduler calls
+``poll(wait=t)``, which first sleeps in the Trio thread until the peer sees
+activity (at most ``t`` seconds) and brings that wake's events back in the same
+crossing (``wait_for_activity(t)`` is the wake alone, with no crossing).
+:class:`ThreadedSubscriber` -- ``get(timeout)`` returns the next KV-event item or
+``None``. Publishing needs no facade: :class:`~tspd.shell.kv_publisher.KVEventPublisher`
+``publish`` / ``publish_nowait`` are thread-safe already.
 
 Calls posted from one thread run in the order they were posted. If the Trio
 thread crashed, later calls fail with :class:`~tspd.hosts.bridge.BridgeClosed`
@@ -28,26 +31,29 @@ naming the crash, and closing the host re-raises it.
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+import typing
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, contextmanager, suppress
 from functools import partial
-from typing import Any, TypeVar, final
+from types import GenericAlias
+from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, TypeVar, final
 
 import trio
 
 from tspd.core.commands import Event
-from tspd.core.manifest import BlockManifest
-from tspd.hosts.bridge import BridgeClosed, root_error
+from tspd.hosts.bridge import TrioHost, root_error
 from tspd.hosts.services import ServiceNursery
 from tspd.shell.decode import DecodePeer
 from tspd.shell.kv_subscriber import KVEventSubscriber, SubscriberItem
 from tspd.shell.nursery import single_error
-from tspd.shell.prefill import ExtendRow, PrefillPeer, RemoteDecodeRow
+from tspd.shell.prefill import PrefillOutbox, PrefillPeer
 
 __all__ = [
     "ThreadedDecode",
+    "ThreadedPeer",
     "ThreadedPrefill",
     "ThreadedSubscriber",
     "TrioFuture",
@@ -58,6 +64,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R")
+P = ParamSpec("P")
 
 #: How long closing the host lets the entered services exit in order.
 CLOSE_TIMEOUT = 10.0
@@ -96,7 +104,7 @@ class TrioFuture(concurrent.futures.Future[T]):
 
 
 @final
-class TrioThread:
+class TrioThread(TrioHost):
     """A Trio run in a background thread; get one from :func:`open_trio_thread`.
 
     Every method is called from other threads (never from the Trio thread itself:
@@ -104,27 +112,12 @@ class TrioThread:
     """
 
     def __init__(self, name: str) -> None:
-        self._name = name
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._services: ServiceNursery | None = None
+        super().__init__(name)
         self._nursery: trio.Nursery | None = None
         self._stop: trio.Event | None = None
         self._ready = threading.Event()
-        self._crash: BaseException | None = None
         self._finished = threading.Event()
         self._thread = threading.Thread(target=self._thread_main, name=name, daemon=True)
-
-    @property
-    def name(self) -> str:
-        """The name of the thread and of the host in messages."""
-        return self._name
-
-    @property
-    def token(self) -> trio.lowlevel.TrioToken:
-        """The Trio run's token (for :class:`tspd.shell.threadsafe.LoopPortal`)."""
-        if self._token is None:
-            raise BridgeClosed(f"{self._name} has not started")
-        return self._token
 
     @property
     def running(self) -> bool:
@@ -243,17 +236,6 @@ class TrioThread:
 
     # -- internals -------------------------------------------------------------------
 
-    def _require_services(self) -> ServiceNursery:
-        if self._services is None:
-            raise BridgeClosed(f"{self._name} has not started")
-        return self._services
-
-    def _closed_error(self, what: str) -> BridgeClosed:
-        reason = f"; it crashed: {self._crash!r}" if self._crash is not None else ""
-        error = BridgeClosed(f"{self._name} {what}{reason}")
-        error.__cause__ = self._crash
-        return error
-
     def _post_or_fail(self, future: concurrent.futures.Future[Any], fn: Callable[[], None]) -> None:
         if self._token is None:
             future.set_exception(self._closed_error("has not started; the call was not run"))
@@ -316,15 +298,7 @@ class TrioThread:
             self._token = trio.lowlevel.current_trio_token()
             self._ready.set()
             await self._stop.wait()
-            with trio.move_on_after(CLOSE_TIMEOUT) as scope:
-                await self._services.aclose()
-            if scope.cancelled_caught:
-                log.error(
-                    "%s: services %s did not close within %.0f s; cancelling them",
-                    self._name,
-                    ", ".join(self._services.held) or "(none)",
-                    CLOSE_TIMEOUT,
-                )
+            await self._services.close_within(CLOSE_TIMEOUT)
             self._nursery = None
             nursery.cancel_scope.cancel()
 
@@ -350,133 +324,234 @@ def open_trio_thread(*, name: str = "tspd-trio") -> Iterator[TrioThread]:
     host.close()
 
 
-class _ActivityWake:
-    """A blocking, bounded wait for a peer's activity from a plain thread: the peer
-    sets a ``threading.Event`` from its Trio thread whenever something arrived
-    (a message, a transfer outcome, a lookup, a timer), so a scheduler thread
-    sleeps until then instead of polling on a timer -- one wake, no round trip."""
+# -- the peer facades, derived from the peers' API -----------------------------------
 
-    def __init__(self, host: TrioThread, peer: PrefillPeer | DecodePeer) -> None:
+
+class _Peer(Protocol):
+    """What the shared part of a facade uses of a peer."""
+
+    on_activity: Callable[[], None] | None
+
+    async def poll(self) -> list[Event]: ...
+
+    async def wait_for_activity(self) -> None: ...
+
+
+PeerT = TypeVar("PeerT", bound=_Peer)
+#: Covariant: a method a peer inherits (``RankPeer.poll``) binds to its facade.
+PeerT_co = TypeVar("PeerT_co", bound=_Peer, covariant=True)
+
+
+class ThreadedPeer(Generic[PeerT_co]):
+    """What :class:`ThreadedPrefill` and :class:`ThreadedDecode` share: polling and
+    waiting for the peer's activity from a plain thread.
+
+    The rest of each facade is declared from its peer's methods (see the module
+    doc); ``not_exposed`` names the public peer members it leaves out, and why.
+    """
+
+    #: Public members of the peer's API this facade leaves out, with the reason.
+    not_exposed: ClassVar[Mapping[str, str]] = {}
+
+    def __init__(self, host: TrioThread, peer: PeerT_co) -> None:
+        self._host = host
+        self.peer = peer
         self._wake = threading.Event()
-        host.call_sync(lambda: setattr(peer, "on_activity", self._wake.set))
+        host.call_sync(setattr, peer, "on_activity", self._wake.set)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, value in vars(cls).items():
+            source = getattr(value, "_derived_from", None)
+            if source is None:
+                continue
+            if source.__name__ != name:
+                raise TypeError(f"{cls.__name__}.{name} is derived from {source.__qualname__}")
+            value.__qualname__ = f"{cls.__qualname__}.{name}"
 
     def wait_for_activity(self, timeout: float) -> bool:
-        """Block until the peer saw activity since the last call, at most ``timeout``
-        seconds; ``True`` when it did (then poll), ``False`` on timeout."""
+        """Block until the peer saw activity since the last call -- a message, a
+        transfer outcome, a lookup, a timer -- at most ``timeout`` seconds; ``True``
+        when it did (then poll), ``False`` on timeout. The peer sets a
+        ``threading.Event`` from its Trio thread: one wake, no polling, no round
+        trip."""
         if self._wake.wait(timeout):
             self._wake.clear()
             return True
         return False
 
+    def poll(self, timeout: float = POLL_TIMEOUT, *, wait: float = 0.0) -> list[Event]:
+        """One poll round (the peer's ``poll``, docs/protocol.md#proto-prefill-poll and
+        #proto-decode-poll): waits for the TP group's agreement, never for a
+        transfer. Raises ``TimeoutError`` after ``timeout`` seconds (plus ``wait``).
+
+        With ``wait`` (seconds), the round first waits in the Trio thread until the
+        peer saw activity (its ``wait_for_activity``), at most ``wait``: an idle
+        scheduler gets the events of a wake in the same crossing, instead of a wake
+        (:meth:`wait_for_activity`) and then a second crossing to poll."""
+        if wait <= 0:
+            return self._host.call(self.peer.poll, timeout=timeout)
+        return self._host.call(self._poll_after_activity, wait, timeout=wait + timeout)
+
+    def poll_nowait(self) -> TrioFuture[list[Event]]:
+        """Start one poll round and return at once; the events land in the future."""
+        return self._host.submit(self.peer.poll)
+
+    async def _poll_after_activity(self, wait: float) -> list[Event]:
+        with trio.move_on_after(wait):
+            await self.peer.wait_for_activity()
+        return await self.peer.poll()
+
+
+def _derived(
+    wrapper: Callable[P, R],
+    source: Callable[..., Any],
+    how: str,
+    returns: Callable[[Any], Any] = lambda result: result,
+) -> Callable[P, R]:
+    """``wrapper`` as ``source`` looks -- name, parameters and types (for ``help()``,
+    the API docs and IDEs), docstring -- with ``how`` it crosses appended and
+    ``returns(the source's return type)`` as its return type."""
+    signature = inspect.signature(source)
+    try:
+        hints = typing.get_type_hints(source)  # resolved where the source is defined
+    except NameError:  # a name imported for type checking only: keep the strings
+        hints = {}
+    params = [
+        p.replace(annotation=hints.get(n, p.annotation)) for n, p in signature.parameters.items()
+    ]
+    result = hints.get("return", signature.return_annotation)
+    signature = signature.replace(
+        parameters=params, return_annotation=returns(None if result is type(None) else result)
+    )
+    wrapper.__name__ = source.__name__
+    wrapper.__doc__ = f"{inspect.cleandoc(source.__doc__ or '')}\n\n{how}"
+    wrapper.__annotations__ = {
+        p.name: p.annotation for p in params if p.annotation is not p.empty
+    } | {"return": signature.return_annotation}
+    vars(wrapper).update(__signature__=signature, _derived_from=source)
+    return wrapper
+
+
+def _posted(
+    method: Callable[Concatenate[PeerT, P], R],
+) -> Callable[Concatenate[ThreadedPeer[PeerT], P], concurrent.futures.Future[R]]:
+    """The facade method for a quick peer call that the caller need not wait for."""
+
+    def posted(
+        self: ThreadedPeer[PeerT], /, *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[R]:
+        return self._host.post(partial(method, self.peer, *args, **kwargs))
+
+    how = (
+        "*Posted* into the Trio thread: returns a ``concurrent.futures.Future`` at once "
+        "(ignore it, or call ``result()`` for the error the call raised)."
+    )
+    return _derived(
+        posted, method, how, lambda result: GenericAlias(concurrent.futures.Future, result)
+    )
+
+
+def _called(
+    method: Callable[Concatenate[PeerT, P], R],
+) -> Callable[Concatenate[ThreadedPeer[PeerT], P], R]:
+    """The facade method for a quick peer call whose result the caller waits for."""
+
+    def called(self: ThreadedPeer[PeerT], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._host.call_sync(partial(method, self.peer, *args, **kwargs))
+
+    return _derived(called, method, "*Called* in the Trio thread; returns its result.")
+
+
+def _awaited(
+    method: Callable[Concatenate[PeerT, P], Awaitable[R]],
+) -> Callable[Concatenate[ThreadedPeer[PeerT], P], R]:
+    """The facade method for an async peer method: awaited in the Trio thread."""
+
+    def awaited(self: ThreadedPeer[PeerT], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._host.call(partial(method, self.peer, *args, **kwargs))
+
+    how = "*Awaited* in the Trio thread; blocks the caller until it returns."
+    return _derived(awaited, method, how)
+
+
+def _outboxed(
+    method: Callable[Concatenate[PrefillOutbox, P], R],
+) -> Callable[Concatenate[ThreadedPrefill, P], R]:
+    """The facade method for a forward-side call: the peer's outbox, from this thread."""
+
+    def outboxed(self: ThreadedPrefill, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return method(self._outbox, *args, **kwargs)
+
+    name = method.__name__
+    how = f"Forward side, from any thread: :meth:`~tspd.shell.prefill.PrefillOutbox.{name}`"
+    if hasattr(PrefillPeer, name):
+        how += f", which posts :meth:`~tspd.shell.prefill.PrefillPeer.{name}` into the Trio thread"
+    return _derived(outboxed, method, f"{how}; never waits.")
+
+
+_TRANSFER_FEEDBACK = "transfer feedback from the peer's own workers, in the Trio thread"
+_SESSION_ID = "fixed once the peer runs: read ``peer.session_id`` from any thread"
+
 
 @final
-class ThreadedPrefill(_ActivityWake):
+class ThreadedPrefill(ThreadedPeer[PrefillPeer]):
     """A Prefill peer's scheduler- and forward-side API for plain threads.
 
     Wrap a peer entered in a :class:`TrioThread`:
     ``ThreadedPrefill(host, host.enter(open_prefill_peer(...)))``.
     """
 
+    not_exposed: ClassVar[Mapping[str, str]] = {
+        "chunk_succeeded": _TRANSFER_FEEDBACK,
+        "chunk_failed": _TRANSFER_FEEDBACK,
+        "wait_should_stop": _TRANSFER_FEEDBACK,
+        "room_active": _TRANSFER_FEEDBACK,
+        "outbox": "its methods are this facade's forward-side methods",
+        "session_id": _SESSION_ID,
+    }
+
     def __init__(self, host: TrioThread, peer: PrefillPeer) -> None:
         super().__init__(host, peer)
-        self._host = host
-        self.peer = peer
         self._outbox = host.call_sync(lambda: peer.outbox)
 
-    def register_request(self, rid: str, room: int) -> concurrent.futures.Future[None]:
-        """Track request ``rid`` on ``room`` (posted; never waits)."""
-        return self._host.post(self.peer.register_request, rid, room)
-
-    def abort(self, room: int, reason: str) -> concurrent.futures.Future[None]:
-        """Fail ``room`` with ``reason``, telling its destinations (posted)."""
-        return self._host.post(self.peer.abort, room, reason)
-
-    def record_usage(
-        self, room: int, cached_tokens: int, logprob: float | None = None
-    ) -> concurrent.futures.Future[None]:
-        """Record the request's cache hit and logprob for its status (posted)."""
-        return self._host.post(self.peer.record_usage, room, cached_tokens, logprob)
-
-    def hand_over(self, rows: Sequence[RemoteDecodeRow]) -> concurrent.futures.Future[None]:
-        """The prompts' KV is written: queue their transfers (posted; the future
-        settles when they are queued, not when they finish -- ``poll`` says that)."""
-        return self._outbox.hand_over(rows)
-
-    def stage_remote_decode(self, rows: Sequence[RemoteDecodeRow]) -> None:
-        """Stage a plan's remote decode, handed over by :meth:`hand_over_remote_decode`."""
-        self._outbox.stage_remote_decode(rows)
-
-    def hand_over_remote_decode(self) -> concurrent.futures.Future[None]:
-        """Hand over the staged rows (posted)."""
-        return self._outbox.hand_over_remote_decode()
-
-    def arm_layerwise(self, rows: Sequence[ExtendRow]) -> concurrent.futures.Future[int | None]:
-        """Arm layerwise chunks for the coming forward (posted)."""
-        return self._outbox.arm_layerwise(rows)
-
-    def poll_nowait(self) -> TrioFuture[list[Event]]:
-        """Start one poll round and return at once; the events land in the future."""
-        return self._host.submit(self.peer.poll)
-
-    def poll(self, timeout: float = POLL_TIMEOUT) -> list[Event]:
-        """One poll round (docs/protocol.md#proto-prefill-poll): waits for the TP
-        group's agreement, never for a transfer. Raises ``TimeoutError`` after
-        ``timeout`` seconds."""
-        return self._host.call(self.peer.poll, timeout=timeout)
-
-    def statistics(self) -> dict[str, int]:
-        """The peer's table sizes and counters."""
-        return self._host.call_sync(self.peer.statistics)
+    register_request = _posted(PrefillPeer.register_request)
+    abort = _posted(PrefillPeer.abort)
+    record_usage = _posted(PrefillPeer.record_usage)
+    hand_over = _outboxed(PrefillOutbox.hand_over)
+    stage_remote_decode = _outboxed(PrefillOutbox.stage_remote_decode)
+    remote_decode_pending = _outboxed(PrefillOutbox.remote_decode_pending)
+    hand_over_remote_decode = _outboxed(PrefillOutbox.hand_over_remote_decode)
+    arm_layerwise = _outboxed(PrefillOutbox.arm_layerwise)
+    has_in_flight = _called(PrefillPeer.has_in_flight)
+    room_state = _called(PrefillPeer.room_state)
+    trace = _called(PrefillPeer.trace)
+    recent_traces = _called(PrefillPeer.recent_traces)
+    statistics = _called(PrefillPeer.statistics)
+    release_registration = _awaited(PrefillPeer.release_registration)
+    restore_registration = _awaited(PrefillPeer.restore_registration)
 
 
 @final
-class ThreadedDecode(_ActivityWake):
+class ThreadedDecode(ThreadedPeer[DecodePeer]):
     """A Decode peer's scheduler-side API for plain threads.
 
     Wrap a peer entered in a :class:`TrioThread`:
     ``ThreadedDecode(host, host.enter(open_decode_peer(...)))``.
     """
 
-    def __init__(self, host: TrioThread, peer: DecodePeer) -> None:
-        super().__init__(host, peer)
-        self._host = host
-        self.peer = peer
+    not_exposed: ClassVar[Mapping[str, str]] = {
+        "server_key": "the push pool's CURVE key lookup (secure mode), in the Trio thread",
+        "session_id": _SESSION_ID,
+    }
 
-    def register_request(
-        self, rid: str, room: int, bootstrap_addr: str
-    ) -> concurrent.futures.Future[None]:
-        """Track ``rid`` for ``room`` at the Prefill instance ``bootstrap_addr``
-        (posted; routing starts in the Trio thread)."""
-        return self._host.post(self.peer.register_request, rid, room, bootstrap_addr)
-
-    def send_preallocation(
-        self,
-        room: int,
-        manifest: BlockManifest | Mapping[str, Sequence[int]],
-        *,
-        prefix_len: int = 0,
-        prompt_len: int | None = None,
-    ) -> concurrent.futures.Future[None]:
-        """Pre-allocate ``room`` with its Prefill ranks (posted)."""
-
-        def send() -> None:
-            self.peer.send_preallocation(
-                room, manifest, prefix_len=prefix_len, prompt_len=prompt_len
-            )
-
-        return self._host.post(send)
-
-    def poll_nowait(self) -> TrioFuture[list[Event]]:
-        """Start one poll round and return at once; the events land in the future."""
-        return self._host.submit(self.peer.poll)
-
-    def poll(self, timeout: float = POLL_TIMEOUT) -> list[Event]:
-        """One poll round (docs/protocol.md#proto-decode-poll); waits for the agreement only."""
-        return self._host.call(self.peer.poll, timeout=timeout)
-
-    def statistics(self) -> dict[str, int]:
-        """The peer's table sizes and counters."""
-        return self._host.call_sync(self.peer.statistics)
+    register_request = _posted(DecodePeer.register_request)
+    send_preallocation = _posted(DecodePeer.send_preallocation)
+    has_in_flight = _called(DecodePeer.has_in_flight)
+    room_state = _called(DecodePeer.room_state)
+    trace = _called(DecodePeer.trace)
+    recent_traces = _called(DecodePeer.recent_traces)
+    statistics = _called(DecodePeer.statistics)
 
 
 @final
