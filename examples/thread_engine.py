@@ -74,13 +74,15 @@ def scheduler(host: TrioThread, pd: LocalPD) -> str:
     while len(done) < len(rooms) or len(sent) < len(rooms):
         if time.monotonic() > deadline:
             raise SystemExit(f"requests did not finish: done={done} sent={sent}")
-        for event in decode.poll():
+        # An idle round waits (at most 1 ms each) for the peer's activity in the same
+        # crossing that brings its events: no sleep-polling.
+        for event in decode.poll(wait=0.001):
             if isinstance(event, Bootstrapped):
                 manifests[event.rid] = pd.preallocation(rooms[event.rid], PROMPT)
                 decode.send_preallocation(rooms[event.rid], manifests[event.rid])
             elif isinstance(event, RemotePrefillDone | Failed):
                 done[event.rid] = event
-        for event in prefill.poll():
+        for event in prefill.poll(wait=0.001):
             if isinstance(event, Bootstrapped):
                 prompts[event.rid] = pd.prompt(event.rid, rooms[event.rid], PROMPT)
                 prefill.hand_over([prompts[event.rid].row])  # returns at once
@@ -89,7 +91,6 @@ def scheduler(host: TrioThread, pd: LocalPD) -> str:
                 publisher.publish(pd.stored_events(prompts[event.rid]))
             elif isinstance(event, Failed):
                 raise SystemExit(f"Prefill failed {event.rid}: {event.reason}")
-        time.sleep(0.002)
     reader.join()
 
     for rid, event in done.items():
