@@ -68,3 +68,22 @@ def test_random_scripts_only_behave_as_documented(data: bytes) -> None:
 )
 def test_structured_scripts_only_behave_as_documented(steps: list[tuple[int, bytes]]) -> None:
     fr.run_script(b"".join(bytes([op]) + args for op, args in steps))
+
+
+def test_a_refused_duplicate_preallocation_waits_for_the_rooms_writes() -> None:
+    """Found by atheris (coverage-guided, fuzz_rooms): a second pre-allocation of a
+    room from the same session while the room's transfer is with the workers fails
+    the room, and the Failed notice the refusal sends went out at once -- while a
+    write of the room was in flight, so the Decode could reuse pages still being
+    written. It now waits for the room's last write like every other notice."""
+    script = b"".join(
+        [
+            _op(1, 0, 1),  # registration of session 0
+            _op(1, 5, 1),  # pre-allocation of room 2: Bootstrapped
+            _op(3, 3),  # request for room 3
+            _op(6, 2, 20, 0),  # hand over room 2: its chunk goes to the workers
+            _op(1, 5, 1),  # the same pre-allocation again: refused, room 2 fails
+        ]
+    )
+    fr.run_script(script)
+    fr.test_one_input(bytes.fromhex("b6b62b3d413dffff06b6b62b3d413d2b4113"))

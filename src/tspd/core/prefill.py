@@ -536,12 +536,19 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
                     f"{destination.session_id} is not registered",
                     room,
                 )
-            elif room in self._writing:
-                # Write fencing: Failed goes out once no write of the room is in
-                # flight (transfer_done), so the Decode may then reuse the pages.
-                self._deferred_notices.setdefault(room, []).append(route)
             else:
-                self._notify_failed(route, room)
+                self._tell_failed(route, room)
+
+    def _tell_failed(self, route: tuple[str, int], room: int) -> None:
+        """Send ``Failed`` for ``room`` to ``route`` -- or, while a write of the room
+        is in flight, once the last one ended (:meth:`transfer_done`): write fencing,
+        a Decode that hears ``Failed`` may reuse the room's pages at once."""
+        if room in self._writing:
+            deferred = self._deferred_notices.setdefault(room, [])
+            if route not in deferred:
+                deferred.append(route)
+        else:
+            self._notify_failed(route, room)
 
     def _mark_session_failed(self, session_id: str, now: float) -> None:
         if self.config.failed_session_ttl <= 0:
@@ -808,7 +815,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
                     room,
                 )
             else:
-                self._notify_failed(route, room)
+                self._tell_failed(route, room)
 
     def _accept_preallocation(self, preallocation: wire.Preallocation, now: float) -> None:
         room, session_id = preallocation.room, preallocation.session_id
@@ -822,10 +829,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
         ):
             # Not an error: the room failed earlier (and may have been forgotten
             # since); this destination hears it now, or once the room's writes ended.
-            if room in self._writing:
-                self._deferred_notices.setdefault(room, []).append(registered.route)
-            else:
-                self._notify_failed(registered.route, room)
+            self._tell_failed(registered.route, room)
             return
         manifest = preallocation.manifest()
         if (manifest is None) != registered.planned.is_dummy:
@@ -1389,7 +1393,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
                     continue
                 route = self._route_of(destination.session_id)
                 if route is not None:
-                    self._notify_failed(route, room)
+                    self._tell_failed(route, room)
         self._forget_room(room, Mark.DROPPED, now, PrefillTrigger.TTL_EXPIRED)
 
     def handle_timeout(self, now: float) -> None:
