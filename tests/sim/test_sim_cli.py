@@ -72,3 +72,39 @@ def test_the_benchmark_prints_its_figures() -> None:
     assert '"seeds_per_second"' in result.output
     assert '"sim_seconds_per_wall_second"' in result.output
     assert '"rooms_per_second"' in result.output
+
+
+def test_the_newer_modes_run_from_the_command_line() -> None:
+    args = [
+        "sim",
+        "--seed",
+        "2",
+        "--rooms",
+        "30",
+        "--prefill",
+        "1xTP2,1xTP1DP2",
+        "--decode",
+        "1xTP1DP2,1xTP4",
+        "--layers",
+        "3",
+        "--layerwise",
+        "--layerwise-interval",
+        "2",
+        "--faults",
+        "bootstrap-crash,sleep",
+        "--json",
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert '"ok": true' in result.output
+    assert '"step_waits"' in result.output
+    assert (
+        "--decode 1xTP1DP2,1xTP4 --faults bootstrap-crash=1,sleep=1 --fencing report "
+        "--layers 3 --layerwise --layerwise-interval 2"
+    ) in result.output
+
+
+def test_an_unknown_fault_lists_the_new_names() -> None:
+    result = CliRunner().invoke(main, ["sim", "--faults", "bootstrap-crash,nap"])
+    assert result.exit_code == 2
+    assert "bootstrap-crash, sleep" in result.output

@@ -1,9 +1,11 @@
-"""Core bugs the simulator found, each reproduced on the cores alone and kept as a
-regression test now that it is fixed.
+"""Core bugs the simulator found, each reproduced on the cores alone: a regression
+test once fixed, a strict ``xfail`` while open.
 
 :data:`KNOWN_CORE_BUGS` holds the violation signatures the CI sweep
 (``test_sim_sweep.py``) tolerates and reports instead of failing on, for a bug
-found and not fixed yet (with a strict ``xfail`` test here); it is empty.
+found and not fixed yet (with a strict ``xfail`` test here): today none. The last
+one, a sleep's release accepted while a failed room's write was still in flight,
+is fixed (``check_release`` also waits for the chunks with the workers).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tspd.core.commands import (
     StartTransfer,
 )
 from tspd.core.decode import DEAD_ROUTE_TIMEOUTS, DecodeConfig, DecodeCore
+from tspd.core.errors import ProtocolError
 from tspd.core.manifest import build_manifest
 from tspd.core.poll import TransferPoll
 from tspd.core.prefill import PrefillConfig, PrefillCore
@@ -141,3 +144,34 @@ def test_a_destination_that_joins_a_complete_room_gets_no_unwritten_success() ->
         and wire.decode_status(list(c.frames)).status is TransferPoll.SUCCESS
     ]
     assert 22001 not in told, f"Success went to ports {told}; the TP4 Decode was not written"
+
+
+def test_a_release_waits_for_the_writes_of_a_failed_room() -> None:
+    """Found by tspd sim --seed 4 --rooms 150 --prefill 1xTP2,1xTP1DP2 --decode
+    1xTP1,1xTP2,1xTP4 --faults crash=1,xfail=0.01,hang=0.005,abort=0.02,sleep=2: a
+    room failed (another rank of the group lost its Decode) while this rank's write
+    hung; the request concluded and was forgotten, so ``check_release()`` let a sleep
+    release the arena while the write still read it (until the transfer timeout).
+    docs/protocol.md#proto-sleep-wake promises no release "while KV sends are in
+    flight"; the core knows the room's chunks are with the workers (``_writing``,
+    until ``transfer_done``)."""
+    core = PrefillCore(
+        PrefillConfig(
+            tp_size=1, tp_rank=0, contract=contract_for(1, 4, 8, 4, 64), arena_base=1 << 40
+        )
+    )
+    session = _register(core, 1, 0, 21000)
+    core.register_request("r", 7, 0.0)
+    _preallocate(core, 7, session, 1)
+    core.conclude(core.poll_values(0.0), 0.0)
+    core.hand_over(7, {"kv": [3]}, 11, (), 0.0)
+    assert any(isinstance(c, StartTransfer) for c in core.drain_commands())
+    # The write is in flight; the room fails and its request concludes.
+    core.abort(7, "sim: the scheduler aborted r", 0.1)
+    assert [type(e) for e in core.conclude(core.poll_values(0.1), 0.1)] == [Failed]
+    assert core.statistics()["writing_rooms"] == 1
+    try:
+        core.check_release()
+    except ProtocolError:
+        return
+    raise AssertionError("the release was accepted while a write from the arena was in flight")

@@ -1,12 +1,15 @@
 """The CI sweep: 200 seeds of a mixed cluster with every fault on.
 
 Prefill: one TP2 instance and one instance of two TP1 DP groups; Decode: TP1,
-TP2 and TP4 instances; faults: all of them at their default rates, late writes
-included. No seed may break a strict invariant, except a core bug the simulator
-found and :mod:`test_sim_known_bugs` reproduces (tolerated by its signature, and
-counted; none today). Late writes the engine itself lands after reporting them
-failed can reach released pages: they are counted and reported as a warning, as
-are stale registrations; without them, fencing is checked strictly.
+TP2 and TP4 instances; faults: all of them at their default rates, late writes,
+bootstrap server crashes and Prefill sleeps included. 160 seeds hand KV over in
+full transfers (200 rooms each) and 40 stream it layerwise (3 layers, 2 per
+interval; 100 rooms each, a layerwise room costing about twice as much). No seed
+may break a strict invariant, except a core bug the simulator found and
+:mod:`test_sim_known_bugs` reproduces (tolerated by its signature, and counted).
+Late writes the engine itself lands after reporting them failed can reach released
+pages: they are counted and reported as a warning, as are stale registrations;
+without them, fencing is checked strictly.
 """
 
 from __future__ import annotations
@@ -16,15 +19,17 @@ import warnings
 
 from test_sim_known_bugs import KNOWN_CORE_BUGS
 
-from tspd.sim import SimConfig, SimResult, parse_faults, parse_shapes, sweep
+from tspd.sim import SimConfig, SimResult, SweepResult, parse_faults, parse_shapes, sweep
 
 SEEDS = 200
+LAYERWISE_SEEDS = 40
 CONFIG = SimConfig(
     rooms=200,
     prefill=parse_shapes("1xTP2,1xTP1DP2", what="Prefill", allow_dp=True),
     decode=parse_shapes("1xTP1,1xTP2,1xTP4", what="Decode", allow_dp=False),
     faults=parse_faults("all"),
 )
+LAYERWISE = CONFIG.with_(rooms=100, layers=3, layerwise=True, layerwise_interval=2)
 
 
 class SimReport(UserWarning):
@@ -40,7 +45,16 @@ def _known(result: SimResult) -> str | None:
 
 
 def test_two_hundred_seeds_keep_every_strict_invariant() -> None:
-    total = sweep(CONFIG, range(SEEDS), jobs=min(2, os.cpu_count() or 1))
+    jobs = min(2, os.cpu_count() or 1)
+    full = sweep(CONFIG, range(SEEDS - LAYERWISE_SEEDS), jobs=jobs)
+    layerwise = sweep(LAYERWISE, range(SEEDS - LAYERWISE_SEEDS, SEEDS), jobs=jobs)
+    total = SweepResult(CONFIG)
+    for part in (full, layerwise):
+        for name in ("seeds", "rooms", "fenced", "fenced_seeds", "fenced_corruptions"):
+            setattr(total, name, getattr(total, name) + getattr(part, name))
+        total.stale_registrations += part.stale_registrations
+        total.wall_seconds += part.wall_seconds
+        total.failures += part.failures
     assert total.seeds == SEEDS
     unknown = [r for r in total.failures if _known(r) is None]
     assert not unknown, "\n\n".join(str(r.failure()) for r in unknown[:3])
@@ -50,11 +64,12 @@ def test_two_hundred_seeds_keep_every_strict_invariant() -> None:
     assert total.fenced > 0, "late writes were on: the fencing check should have seen some"
     warnings.warn(
         SimReport(
-            f"tspd.sim CI sweep: {total.seeds} seeds, {total.rooms} rooms in "
-            f"{total.wall_seconds:.1f}s; fencing ({CONFIG.fencing}): {total.fenced} late writes "
-            f"in {total.fenced_seeds} seeds ({total.fenced_corruptions} corrupted a later "
-            f"room's page); stale registrations: {total.stale_registrations}; known core bugs "
-            f"tolerated: {known or 'none'}"
+            f"tspd.sim CI sweep: {total.seeds} seeds ({layerwise.seeds} layerwise), "
+            f"{total.rooms} rooms in {total.wall_seconds:.1f}s; fencing ({CONFIG.fencing}): "
+            f"{total.fenced} late writes in {total.fenced_seeds} seeds "
+            f"({total.fenced_corruptions} corrupted a later room's page); stale "
+            f"registrations: {total.stale_registrations}; known core bugs tolerated: "
+            f"{known or 'none'}"
         ),
         stacklevel=1,
     )
@@ -62,13 +77,16 @@ def test_two_hundred_seeds_keep_every_strict_invariant() -> None:
 
 def test_without_engine_late_writes_fencing_holds_strictly() -> None:
     """Every fault but the engine's own late writes (a write reported failed that
-    lands anyway, which no control plane can stop): tspd's write fencing keeps
-    every write inside pages its room still owns (docs/architecture.md#write-fencing)."""
+    lands anyway, which no control plane can stop) and sleeps (which can reach the
+    known core bug): tspd's write fencing keeps every write inside pages its room
+    still owns (docs/architecture.md#write-fencing)."""
     config = SimConfig(
         rooms=200,
         prefill=CONFIG.prefill,
         decode=CONFIG.decode,
-        faults=parse_faults("loss,dup,reorder,partition,crash,xfail,hang,abort,hedge"),
+        faults=parse_faults(
+            "loss,dup,reorder,partition,crash,xfail,hang,abort,hedge,bootstrap-crash"
+        ),
         fencing="strict",
     )
     total = sweep(config, range(100), jobs=min(2, os.cpu_count() or 1))

@@ -74,13 +74,29 @@ def run_sim_benchmark(config: SimConfig, seeds: int, what: str) -> SimFigures:
 @click.option("--prefill", default="2xTP2", show_default=True)
 @click.option("--decode", default="3xTP1", show_default=True)
 @click.option("--faults", default=BENCH_FAULTS, show_default=True, help="Faults of the second row.")
+@click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--layerwise", is_flag=True, help="Stream KV layerwise (see tspd sim).")
+@click.option("--layerwise-interval", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def sim(seeds: int, rooms: int, prefill: str, decode: str, faults: str, as_json: bool) -> None:
+def sim(
+    seeds: int,
+    rooms: int,
+    prefill: str,
+    decode: str,
+    faults: str,
+    layers: int,
+    layerwise: bool,
+    layerwise_interval: int,
+    as_json: bool,
+) -> None:
     """Simulator throughput: seeds/s, simulated s per wall s, rooms/s (figures only)."""
     base = SimConfig(
         rooms=rooms,
         prefill=parse_shapes(prefill, what="Prefill", allow_dp=True),
-        decode=parse_shapes(decode, what="Decode", allow_dp=False),
+        decode=parse_shapes(decode, what="Decode", allow_dp=True),
+        layers=layers,
+        layerwise=layerwise,
+        layerwise_interval=layerwise_interval,
     )
     with_faults = base.with_(faults=parse_faults(faults))
     rows = [
@@ -107,8 +123,9 @@ def sim(seeds: int, rooms: int, prefill: str, decode: str, faults: str, as_json:
             )
         )
         return
+    mode = f", layerwise ({layers} layers, interval {layerwise_interval})" if layerwise else ""
     table = Table(
-        title=f"tspd bench sim: {seeds} seeds of {rooms} rooms, {prefill} -> {decode}",
+        title=f"tspd bench sim: {seeds} seeds of {rooms} rooms, {prefill} -> {decode}{mode}",
         caption=f"faults: {format_faults(with_faults.faults)}",
     )
     for column in ("what", "seeds/s", "sim s / wall s", "rooms/s", "events/s", "failing seeds"):

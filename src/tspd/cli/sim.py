@@ -8,7 +8,9 @@ and exits 1::
         --faults loss=0.01,dup=0.01,reorder,partition,crash
 
 ``--seeds N`` sweeps seeds ``first .. first+N-1`` and prints the totals and every
-failing seed (exit 1 if any). Fencing violations are counted and printed in
+failing seed (exit 1 if any). ``--layerwise`` streams KV layerwise (with
+``--layers`` layers and ``--layerwise-interval`` producer steps per interval)
+instead of handing over full transfers. Fencing violations are counted and printed in
 ``--fencing report`` mode (the default) and fail the run in ``strict`` mode.
 See docs/sim.md.
 """
@@ -25,14 +27,26 @@ from tspd.sim import SimConfig, SimResult, parse_faults, parse_shapes, run, swee
 __all__ = ["sim"]
 
 
-def _config(rooms: int, prefill: str, decode: str, faults: str, fencing: str) -> SimConfig:
+def _config(
+    rooms: int,
+    prefill: str,
+    decode: str,
+    faults: str,
+    fencing: str,
+    layers: int,
+    layerwise: bool,
+    layerwise_interval: int,
+) -> SimConfig:
     try:
         return SimConfig(
             rooms=rooms,
             prefill=parse_shapes(prefill, what="Prefill", allow_dp=True),
-            decode=parse_shapes(decode, what="Decode", allow_dp=False),
+            decode=parse_shapes(decode, what="Decode", allow_dp=True),
             faults=parse_faults(faults),
             fencing="strict" if fencing == "strict" else "report",
+            layers=layers,
+            layerwise=layerwise,
+            layerwise_interval=layerwise_interval,
         )
     except ConfigError as err:
         raise click.UsageError(str(err)) from err
@@ -68,7 +82,7 @@ def _show_fencing(result: SimResult, limit: int) -> None:
     default="none",
     show_default=True,
     help="Comma-separated faults: loss, dup, reorder, partition, crash, xfail, hang, late, "
-    "abort, hedge (name or name=rate); 'all' turns every one on.",
+    "abort, hedge, bootstrap-crash, sleep (name or name=rate); 'all' turns every one on.",
 )
 @click.option(
     "--fencing",
@@ -76,6 +90,25 @@ def _show_fencing(result: SimResult, limit: int) -> None:
     default="report",
     show_default=True,
     help="Fencing violations: counted and printed, or failing the run.",
+)
+@click.option(
+    "--layers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Model layers (a K and a V field each).",
+)
+@click.option(
+    "--layerwise",
+    is_flag=True,
+    help="Stream KV layerwise: chunked forwards, one producer step per layer.",
+)
+@click.option(
+    "--layerwise-interval",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Producer steps per layerwise transfer interval.",
 )
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
@@ -87,11 +120,14 @@ def sim(
     decode: str,
     faults: str,
     fencing: str,
+    layers: int,
+    layerwise: bool,
+    layerwise_interval: int,
     jobs: int,
     as_json: bool,
 ) -> None:
     """Simulate a whole PD cluster in virtual time and check its invariants."""
-    config = _config(rooms, prefill, decode, faults, fencing)
+    config = _config(rooms, prefill, decode, faults, fencing, layers, layerwise, layerwise_interval)
     if seeds is None:
         result = run(config, seed)
         if as_json:
@@ -117,6 +153,9 @@ def sim(
                     "stale_registrations": total.stale_registrations,
                     "wall_seconds": total.wall_seconds,
                     "sim_seconds": total.sim_seconds,
+                    "events": total.steps,
+                    "seeds_per_second": total.seeds / max(total.wall_seconds, 1e-9),
+                    "rooms_per_second": total.rooms / max(total.wall_seconds, 1e-9),
                 },
                 indent=2,
             )
@@ -147,6 +186,11 @@ def _figures(result: SimResult) -> dict[str, object]:
         "fenced": len(result.fenced),
         "fenced_corruptions": result.fenced_corruptions,
         "stale_registrations": result.stale_registrations,
+        "crashes": result.crashes,
+        "partitions": result.partitions,
+        "bootstrap_crashes": result.bootstrap_crashes,
+        "sleeps": result.sleeps,
+        "step_waits": result.transfers.step_waits,
         "sim_seconds": result.sim_seconds,
         "wall_seconds": result.wall_seconds,
         "events": result.steps,

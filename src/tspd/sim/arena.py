@@ -16,17 +16,21 @@ from the Decode rank's own geometry (:func:`tspd.layouts.kv_head_range`), never
 from the transfer planner, so a planning or execution error shows up as data.
 
 Geometry assumes the simulator's contracts (:func:`geometry_for`): one group,
-token-major pages (``(page_tokens, heads, head_dim)``), one plane per field.
+token-major pages (``(page_tokens, heads, head_dim)``), one plane per field, a K
+and a V field per layer. A layerwise forward fills one layer's fields of one chunk
+of tokens at a time (:func:`fill_tokens`), so a write that reads its source before
+the producer step that computes it copies stale cells.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
 from tspd.core.contract import CacheContract
+from tspd.core.schedule import ProducerSchedule
 from tspd.layouts import kv_head_range, mha_contract
 
 __all__ = [
@@ -35,8 +39,14 @@ __all__ = [
     "Mismatch",
     "PagePool",
     "TagCodec",
+    "check",
+    "clear",
     "contract_for",
+    "fill",
+    "fill_tokens",
     "geometry_for",
+    "schedule_for",
+    "zero",
 ]
 
 #: The simulator's one page group.
@@ -45,12 +55,17 @@ GROUP = "kv"
 
 @cache
 def contract_for(
-    tp_size: int, kv_heads: int, head_dim: int, page_tokens: int, num_pages: int
+    tp_size: int,
+    kv_heads: int,
+    head_dim: int,
+    page_tokens: int,
+    num_pages: int,
+    layers: int = 1,
 ) -> CacheContract:
-    """The contract every rank of a TP group of ``tp_size`` registers: one layer
-    of an MHA model, token-major and layer-major (cached: ranks share it)."""
+    """The contract every rank of a TP group of ``tp_size`` registers: ``layers``
+    layers of an MHA model, token-major and layer-major (cached: ranks share it)."""
     return mha_contract(
-        num_layers=1,
+        num_layers=layers,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         page_tokens=page_tokens,
@@ -110,6 +125,7 @@ class Geometry:
         "cells_per_page",
         "chunk_end",
         "field_ids",
+        "field_index",
         "local_heads",
         "offsets",
         "page_of_cell",
@@ -125,6 +141,8 @@ class Geometry:
         self.cells_per_page = self.page_tokens * self.local_heads
         self.cells = contract.arena_bytes // self.cell_bytes
         self.field_ids = tuple(f.field_id for f in fields)
+        #: Each field's number in the tags (its place in the contract's plan).
+        self.field_index = {fid: i for i, fid in enumerate(self.field_ids)}
         pages = contract.page_count(GROUP)
         #: Per field, per page id: the page's first cell.
         self.page_starts = [
@@ -150,11 +168,24 @@ class Geometry:
 
 @cache
 def geometry_for(
-    tp_size: int, tp_rank: int, kv_heads: int, head_dim: int, page_tokens: int, num_pages: int
+    tp_size: int,
+    tp_rank: int,
+    kv_heads: int,
+    head_dim: int,
+    page_tokens: int,
+    num_pages: int,
+    layers: int = 1,
 ) -> Geometry:
     """The geometry of rank ``tp_rank`` of a TP group of ``tp_size`` (cached)."""
-    contract = contract_for(tp_size, kv_heads, head_dim, page_tokens, num_pages)
+    contract = contract_for(tp_size, kv_heads, head_dim, page_tokens, num_pages, layers)
     return Geometry(contract, kv_head_range(kv_heads, tp_size, tp_rank), kv_heads)
+
+
+@cache
+def schedule_for(contract: CacheContract, layers: int) -> ProducerSchedule:
+    """The producer schedule of ``contract``: one step per layer, holding that
+    layer's K and V fields (:meth:`ProducerSchedule.from_contract`)."""
+    return ProducerSchedule.from_contract(contract, layers)
 
 
 def fill(
@@ -172,6 +203,40 @@ def fill(
             base = codec.base(room_index, field, slot)
             start = starts[page]
             arena[start : start + per] = [base + o for o in offsets]
+
+
+def fill_tokens(
+    arena: list[int | None],
+    geometry: Geometry,
+    codec: TagCodec,
+    room_index: int,
+    pages: Sequence[int],
+    field_ids: Iterable[str],
+    begin: int,
+    end: int,
+) -> None:
+    """A forward computes tokens ``[begin, end)`` of the room's ``field_ids`` (one
+    layer's step): their cells get their tags, the rest of each page is untouched."""
+    offsets = geometry.offsets
+    page_tokens, local = geometry.page_tokens, geometry.local_heads
+    for fid in field_ids:
+        field = geometry.field_index[fid]
+        starts = geometry.page_starts[field]
+        token = begin
+        while token < end:
+            slot, first = divmod(token, page_tokens)
+            last = min(page_tokens, first + end - token)
+            base = codec.base(room_index, field, slot)
+            start = starts[pages[slot]]
+            arena[start + first * local : start + last * local] = [
+                base + o for o in offsets[first * local : last * local]
+            ]
+            token += last - first
+
+
+def clear(arena: list[int | None]) -> None:
+    """The arena's memory was released (a sleep): it holds nothing any more."""
+    arena[:] = [None] * len(arena)
 
 
 def zero(arena: list[int | None], geometry: Geometry, pages: Sequence[int]) -> None:

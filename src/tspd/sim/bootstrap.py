@@ -7,6 +7,17 @@ Decode ranks ``GET`` the parallel info and rank endpoints and heartbeat
 :class:`~tspd.core.bootstrap.BootstrapState` exactly as the HTTP shell hands them
 over, and replies are parsed with the clients' own parsers, so a refusal reaches
 the Decode core as the error text the shell would pass.
+
+With the ``bootstrap-crash`` fault a server dies (:meth:`BootstrapServer.crash`):
+while it is down every request to it fails after a round trip (connection refused),
+and an exchange that was in flight when it died fails too (each exchange carries
+the server's incarnation). It restarts (:meth:`BootstrapServer.restart`) with an
+empty :class:`~tspd.core.bootstrap.BootstrapState`: until every rank of the
+instance ``PUT`` its route again the ``GET`` routes answer ``503`` (``Bootstrap
+server is waiting for …``), which the Decode core gets as the lookup's error. The
+shell's Prefill ranks ``PUT`` only when they start (:mod:`tspd.shell.prefill`),
+so they register again when they restart, or every
+``Timings.reregister_interval`` when that is set.
 """
 
 from __future__ import annotations
@@ -38,6 +49,9 @@ class BootstrapServer:
     state: BootstrapState = field(default_factory=BootstrapState)
     up: bool = True
     puts: int = 0
+    #: Bumped at each crash: an exchange begun with an older one gets no answer.
+    incarnation: int = 0
+    crashes: int = 0
 
     @property
     def name(self) -> str:
@@ -48,6 +62,22 @@ class BootstrapServer:
     def addr(self) -> str:
         """Its ``host:port``, the bootstrap address requests carry."""
         return f"{self.host}:{PORT}"
+
+    def answers(self, incarnation: int) -> bool:
+        """Whether an exchange begun while incarnation ``incarnation`` ran gets its
+        answer now (the server is up and has not restarted since)."""
+        return self.up and self.incarnation == incarnation
+
+    def crash(self) -> None:
+        """The server dies: its table is lost, requests are refused."""
+        self.up = False
+        self.incarnation += 1
+        self.crashes += 1
+        self.state = BootstrapState()
+
+    def restart(self) -> None:
+        """The server is back, with an empty table."""
+        self.up = True
 
     def put_route(self, payload: dict[str, object]) -> HttpReply:
         """One Prefill rank's ``PUT /route``."""

@@ -115,6 +115,7 @@ class Cluster:
         self.fault_rng = random.Random(f"{seed}:faults")
         self.engine_rng = random.Random(f"{seed}:engines")
         self.page_rng = random.Random(f"{seed}:pages")
+        self.forward_rng = random.Random(f"{seed}:forwards")
         self.timeline = Timeline()
         self.checker = Checker(self.queue, self.timeline, config.fencing == "strict")
         self.network = Network(
@@ -123,7 +124,7 @@ class Cluster:
         self.stats = TransferStats()
         self.outcomes = Outcomes()
         self.codec = TagCodec(
-            fields=2,
+            fields=2 * config.layers,
             slots=-(-config.max_prompt // config.page_tokens),
             page_tokens=config.page_tokens,
             kv_heads=config.kv_heads,
@@ -159,10 +160,15 @@ class Cluster:
                 self.prefill.append(
                     [PrefillGroup(self, instance, dp, shape.dp, shape.tp) for dp in range(shape.dp)]
                 )
-        self.decode: list[DecodeInstance] = []
+        #: Per Decode instance, its attention-DP groups; and every group, flat.
+        self.decode_instances: list[list[DecodeInstance]] = []
         for shape in config.decode:
             for _ in range(shape.count):
-                self.decode.append(DecodeInstance(self, len(self.decode), shape.tp))
+                index = len(self.decode_instances)
+                self.decode_instances.append(
+                    [DecodeInstance(self, index, shape.tp, dp, shape.dp) for dp in range(shape.dp)]
+                )
+        self.decode: list[DecodeInstance] = [d for ds in self.decode_instances for d in ds]
         requests = draw_requests(config, self.workload_rng)
         self.requests = requests
         self.room_index = {request.room: request.index for request in requests}
@@ -174,6 +180,8 @@ class Cluster:
         self.audit_interval = 0.25
         self.partitions = 0
         self.crashes = 0
+        self.bootstrap_crashes = 0
+        self.sleeps = 0
         #: The room the current event is about, when one is: a core that raises
         #: is reported with that room's timeline.
         self.focus: int | None = None
@@ -199,6 +207,12 @@ class Cluster:
         """The Prefill DP group that serves ``request`` (``room % dp_size``)."""
         groups = self.prefill[request.prefill]
         return groups[request.room % len(groups)]
+
+    def decode_group(self, instance: int, room: int) -> DecodeInstance:
+        """The DP group of Decode instance ``instance`` that serves ``room``
+        (``room % dp_size``)."""
+        groups = self.decode_instances[instance]
+        return groups[room % len(groups)]
 
     def forward_time(self, request: Request) -> float:
         """How long the Prefill forward of ``request`` takes."""
@@ -279,19 +293,57 @@ class Cluster:
                 self.partitions += 1
                 self.queue.at(start, self._partition_note, f"{what} cut off until {end:.3f}")
         if faults.crash:
-            targets: list[PrefillGroup | DecodeInstance] = [*groups, *self.decode]
+            # A Decode instance crashes with all its DP groups (one engine).
+            targets: list[list[PrefillGroup] | list[DecodeInstance]] = [
+                *([g] for g in groups),
+                *self.decode_instances,
+            ]
             for _ in range(_poisson(rng, faults.crash)):
                 self.queue.at(rng.uniform(0.0, span), self._crash, rng.choice(targets))
+        # Faults added later draw after the earlier ones, so switching them on
+        # leaves the earlier faults of a seed where they were.
+        if faults.bootstrap_crash:
+            for _ in range(_poisson(rng, faults.bootstrap_crash)):
+                # While requests arrive: an outage matters to lookups only then.
+                when = rng.uniform(0.0, self.window)
+                server = rng.choice(self.bootstrap)
+                outage = timings.bootstrap_outage * rng.uniform(0.1, 2.0)
+                self.queue.at(when, self._bootstrap_crash, (server, outage))
+        if faults.sleep:
+            for _ in range(_poisson(rng, faults.sleep)):
+                when = rng.uniform(0.0, self.window)
+                self.queue.at(when, self._sleep, rng.choice(groups))
+
+    def _bootstrap_crash(self, argument: tuple[BootstrapServer, float]) -> None:
+        server, outage = argument
+        if not server.up or self.draining_until is not None:
+            return
+        self.bootstrap_crashes += 1
+        self._note(f"crash: {server.name}, the bootstrap server (restarts in {outage:.3f}s)")
+        server.crash()
+        self.queue.after(outage, self._bootstrap_restart, (server, server.incarnation))
+
+    def _bootstrap_restart(self, argument: tuple[BootstrapServer, int]) -> None:
+        server, incarnation = argument
+        if server.incarnation == incarnation and not server.up:
+            server.restart()
+            self._note(f"restart: {server.name}, with an empty table")
+
+    def _sleep(self, group: PrefillGroup) -> None:
+        if self.draining_until is None and group.go_to_sleep():
+            self.sleeps += 1
 
     def _partition_note(self, text: str) -> None:
         self._note(f"partition: {text}")
 
-    def _crash(self, target: PrefillGroup | DecodeInstance) -> None:
-        if not target.alive or self.draining_until is not None:
+    def _crash(self, target: list[PrefillGroup] | list[DecodeInstance]) -> None:
+        if not all(t.alive for t in target) or self.draining_until is not None:
             return
         self.crashes += 1
-        self._note(f"crash: {target.name} (restarts in {self.config.timings.restart_delay}s)")
-        target.crash()
+        names = ", ".join(t.name for t in target)
+        self._note(f"crash: {names} (restarts in {self.config.timings.restart_delay}s)")
+        for t in target:
+            t.crash()
 
     # ------------------------------------------------------------------ audits
 
@@ -337,6 +389,7 @@ class Cluster:
         bound(where, "rooms", stats["rooms"], known)
         for name in ("traces", "destinations", "usage", "metadata", "awaiting_token"):
             bound(where, name, stats[name], known)
+        bound(where, "layerwise_rooms", stats.get("layerwise_rooms", 0), known)
         bound(where, "transfers_in_flight", stats["transfers_in_flight"], known)
         bound(where, "writing_rooms", stats.get("writing_rooms", 0), engine.pending)
         bound(where, "deferred_notices", stats.get("deferred_notices", 0), engine.pending)
@@ -474,6 +527,8 @@ class Cluster:
             transfers=self.stats,
             crashes=self.crashes,
             partitions=self.partitions,
+            bootstrap_crashes=self.bootstrap_crashes,
+            sleeps=self.sleeps,
             violations=tuple(checker.violations),
             fenced=tuple(checker.fenced),
             fenced_corruptions=checker.fenced_corruptions,

@@ -6,9 +6,16 @@ run (:meth:`SimConfig.command`), which is what a violation report prints.
 
 Shapes are written as on the command line: ``2xTP2`` is two Prefill (or Decode)
 instances of TP size 2, ``1xTP2DP2`` one instance of two attention-DP groups of TP
-2 (Prefill only), and several shapes are joined with ``,`` (``1xTP2,2xTP1``).
+2, and several shapes are joined with ``,`` (``1xTP2,2xTP1``).
 Faults are ``name`` or ``name=value`` items joined with ``,``
-(:func:`parse_faults`); a bare name takes the rate in :data:`FAULT_DEFAULTS`.
+(:func:`parse_faults`); a bare name takes the rate in :data:`FAULT_DEFAULTS`. A
+fault whose field has an underscore is written with a hyphen (``bootstrap-crash``).
+
+``layerwise`` switches the Prefill side from full transfers to layerwise streaming:
+the prompt is computed in chunks of ``prefill_chunk`` tokens per forward, every
+forward arms its chunks on every rank (:meth:`~tspd.core.prefill.PrefillCore.arm_layerwise`)
+and advances each rank's producer step counter one layer at a time, and the
+transfer engine waits for each interval's step (:mod:`tspd.sim.layerwise`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ __all__ = [
     "InstanceShape",
     "SimConfig",
     "Timings",
+    "fault_name",
     "format_faults",
     "format_shapes",
     "parse_faults",
@@ -93,6 +101,15 @@ class Faults:
     * ``abort``: the Prefill scheduler aborts a request at a random moment.
     * ``hedge``: the router also sends a request to a second Decode instance under
       the same room (a retried request); the Prefill must not serve both.
+    * ``bootstrap_crash`` (``bootstrap-crash``): a bootstrap server dies, is down
+      for a while (requests to it are refused) and restarts with an empty table;
+      Prefill ranks register again only when they restart themselves (as the shell
+      does), or every ``Timings.reregister_interval`` when that is set.
+    * ``sleep``: a Prefill DP group is put to sleep: the router stops sending it
+      requests, the scheduler waits until it tracks none, every rank's
+      :meth:`~tspd.core.prefill.PrefillCore.check_release` is asked and the arena's
+      registration released (its contents are lost); it wakes after
+      ``Timings.sleep_time`` and serves again.
     """
 
     loss: float = 0.0
@@ -105,14 +122,16 @@ class Faults:
     late: float = 0.0
     abort: float = 0.0
     hedge: float = 0.0
+    bootstrap_crash: float = 0.0
+    sleep: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if not value >= 0:
-                raise ConfigError(f"fault {f.name} must not be negative, got {value}")
+                raise ConfigError(f"fault {fault_name(f.name)} must not be negative, got {value}")
             if f.name not in _COUNTS and value > 1:
-                raise ConfigError(f"fault {f.name} is a probability, got {value}")
+                raise ConfigError(f"fault {fault_name(f.name)} is a probability, got {value}")
 
     @property
     def any(self) -> bool:
@@ -121,10 +140,18 @@ class Faults:
 
 
 #: The settings ``tspd sim`` takes as options.
-_ON_THE_COMMAND_LINE: Final = frozenset({"rooms", "prefill", "decode", "faults", "fencing"})
+_ON_THE_COMMAND_LINE: Final = frozenset(
+    {"rooms", "prefill", "decode", "faults", "fencing", "layerwise", "layers", "layerwise_interval"}
+)
 
 #: Faults whose value is an expected count per run rather than a probability.
-_COUNTS: Final = frozenset({"partition", "crash"})
+_COUNTS: Final = frozenset({"partition", "crash", "bootstrap_crash", "sleep"})
+
+
+def fault_name(field_name: str) -> str:
+    """A :class:`Faults` field's name on the command line (``bootstrap-crash``)."""
+    return field_name.replace("_", "-")
+
 
 #: The rate a bare fault name (``reorder``, ``crash``...) takes.
 FAULT_DEFAULTS: Final[dict[str, float]] = {
@@ -138,6 +165,8 @@ FAULT_DEFAULTS: Final[dict[str, float]] = {
     "late": 0.5,
     "abort": 0.02,
     "hedge": 0.02,
+    "bootstrap_crash": 1.0,
+    "sleep": 1.0,
 }
 
 
@@ -151,20 +180,24 @@ def parse_faults(text: str) -> Faults:
         return Faults(**FAULT_DEFAULTS)
     values: dict[str, float] = {}
     for item in text.split(","):
-        name, sep, raw = item.strip().partition("=")
+        shown, sep, raw = item.strip().partition("=")
+        name = shown.replace("-", "_")
         if name not in FAULT_DEFAULTS:
-            raise ConfigError(f"unknown fault {name!r}; known: {', '.join(FAULT_DEFAULTS)}")
+            known = ", ".join(fault_name(n) for n in FAULT_DEFAULTS)
+            raise ConfigError(f"unknown fault {shown!r}; known: {known}")
         try:
             values[name] = float(raw) if sep else FAULT_DEFAULTS[name]
         except ValueError:
-            raise ConfigError(f"fault {name} needs a number, got {raw!r}") from None
+            raise ConfigError(f"fault {shown} needs a number, got {raw!r}") from None
     return Faults(**values)
 
 
 def format_faults(faults: Faults) -> str:
     """The command-line form of ``faults`` (``none`` when all are off)."""
     items = [
-        f"{f.name}={getattr(faults, f.name):g}" for f in fields(faults) if getattr(faults, f.name)
+        f"{fault_name(f.name)}={getattr(faults, f.name):g}"
+        for f in fields(faults)
+        if getattr(faults, f.name)
     ]
     return ",".join(items) or "none"
 
@@ -181,6 +214,12 @@ class Timings:
     per second offered by the router; ``poll_interval`` the delay from an input to
     the scheduler's next iteration; ``decode_time`` how long a request decodes
     after its KV arrived.
+
+    ``bootstrap_outage`` is the mean time a crashed bootstrap server stays down
+    (each outage is drawn between a tenth and twice it); ``reregister_interval`` how
+    often a Prefill rank ``PUT``\\ s its route again (0: never, only when it starts,
+    as :mod:`tspd.shell.prefill` does); ``sleep_time`` how long a Prefill DP group
+    sleeps once its arena is released.
     """
 
     bootstrap_timeout: float = 30.0
@@ -200,6 +239,9 @@ class Timings:
     decode_time: float = 0.05
     restart_delay: float = 1.0
     partition_time: float = 4.0
+    bootstrap_outage: float = 8.0
+    reregister_interval: float = 0.0
+    sleep_time: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +252,11 @@ class SimConfig:
     (a K and a V field) and ``page_tokens`` tokens a page, ``num_pages`` pages a
     rank; prompts are 1 to ``max_prompt`` tokens. ``transfer_workers`` per Prefill
     rank. ``fencing`` is the fencing check's mode (:data:`FENCING_MODES`).
+
+    ``layers`` is the model's layer count (each a K and a V field).
+    ``layerwise`` streams KV layerwise (``layerwise_interval`` producer steps per
+    transfer interval, one step per layer) instead of full transfers; the Prefill
+    then computes prompts in forwards of at most ``prefill_chunk`` tokens.
     """
 
     rooms: int = 200
@@ -225,10 +272,19 @@ class SimConfig:
     max_prompt: int = 32
     transfer_workers: int = 2
     max_inflight: int = 48
+    layers: int = 1
+    layerwise: bool = False
+    layerwise_interval: int = 1
+    prefill_chunk: int = 12
 
     def __post_init__(self) -> None:
         if self.rooms < 0:
             raise ConfigError(f"rooms must not be negative, got {self.rooms}")
+        if self.layers < 1 or self.layerwise_interval < 1 or self.prefill_chunk < 1:
+            raise ConfigError(
+                f"layers ({self.layers}), the layerwise interval ({self.layerwise_interval}) "
+                f"and the Prefill chunk ({self.prefill_chunk}) must be at least 1"
+            )
         if self.fencing not in FENCING_MODES:
             raise ConfigError(f"fencing must be one of {FENCING_MODES}, got {self.fencing!r}")
         if not self.prefill or not self.decode:
@@ -255,6 +311,12 @@ class SimConfig:
             f"--decode {format_shapes(self.decode)} --faults {format_faults(self.faults)} "
             f"--fencing {self.fencing}"
         )
+        if self.layers != 1:
+            line += f" --layers {self.layers}"
+        if self.layerwise:
+            line += " --layerwise"
+            if self.layerwise_interval != 1:
+                line += f" --layerwise-interval {self.layerwise_interval}"
         default = SimConfig()
         others = [
             f"{f.name}={getattr(self, f.name)!r}"

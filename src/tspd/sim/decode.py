@@ -29,6 +29,11 @@ check).
 A crash loses every rank's tables, the scheduler's requests and the arenas; after
 the restart delay the instance comes back with new cores, new status ports and new
 transfer sessions (Decode churn).
+
+An instance of several attention-DP groups (``1xTP2DP2``) is one
+:class:`DecodeInstance` per group, each a TP group with its own scheduler, ranks,
+sessions and pages; the router sends a room to group ``room % dp_size`` of its
+instance, and a crash takes every group of the instance down at once (one engine).
 """
 
 from __future__ import annotations
@@ -77,6 +82,8 @@ class _Fetch:
     #: ``(engine_rank, dp_group)``, or ``None`` for the parallel info.
     target: tuple[int, int] | None
     ok: bool
+    #: The server's incarnation when the request went out.
+    served_by: int
 
 
 class DecodeRank:
@@ -105,7 +112,7 @@ class DecodeRank:
         self.instance = instance
         self.tp_rank = tp_rank
         self.name = f"{instance.name}r{tp_rank}"
-        self.ip = f"10.2.{instance.index}.{tp_rank + 1}"
+        self.ip = f"10.2.{instance.index}.{instance.dp * instance.tp + tp_rank + 1}"
         self.port = cluster.next_port()
         self.session = f"{self.ip}:{cluster.next_port()}"
         self.geometry = arena.geometry_for(
@@ -115,9 +122,15 @@ class DecodeRank:
             config.head_dim,
             config.page_tokens,
             config.num_pages,
+            config.layers,
         )
         contract = arena.contract_for(
-            instance.tp, config.kv_heads, config.head_dim, config.page_tokens, config.num_pages
+            instance.tp,
+            config.kv_heads,
+            config.head_dim,
+            config.page_tokens,
+            config.num_pages,
+            config.layers,
         )
         self.base = cluster.next_base() << 32
         self.arena: list[int | None] = [None] * self.geometry.cells
@@ -158,13 +171,20 @@ class DecodeRank:
 
 
 class DecodeInstance:
-    """One Decode instance (one TP group) and its scheduler."""
+    """One Decode instance (one TP group) and its scheduler; with attention DP,
+    one DP group of an instance (the router sends it the rooms ``room % dp_size``
+    picks, and the instance's groups crash together)."""
 
-    def __init__(self, cluster: Cluster, index: int, tp: int) -> None:
+    def __init__(
+        self, cluster: Cluster, index: int, tp: int, dp: int = 0, dp_size: int = 1
+    ) -> None:
         self.cluster = cluster
         self.index = index
         self.tp = tp
-        self.name = f"d{index}"
+        #: The attention-DP group this is of its instance (``room % dp_size``).
+        self.dp = dp
+        self.dp_size = dp_size
+        self.name = f"d{index}" + (f".{dp}" if dp_size > 1 else "")
         self.ranks: list[DecodeRank] = []
         self.alive = False
         self.incarnation = 0
@@ -306,7 +326,9 @@ class DecodeInstance:
             raise AssertionError(f"{rank.name} asked an unknown bootstrap address {addr}")
         delay, ok = cluster.network.exchange(rank.ip, server.host, server.up)
         cluster.queue.after(
-            delay, self._fetched, _Fetch(self.incarnation, rank, server, target, ok)
+            delay,
+            self._fetched,
+            _Fetch(self.incarnation, rank, server, target, ok, server.incarnation),
         )
 
     def _fetched(self, fetch: _Fetch) -> None:
@@ -316,12 +338,13 @@ class DecodeInstance:
         now = self.cluster.now
         addr = server.addr
         unreachable = f"bootstrap server {addr} unreachable"
+        ok = fetch.ok and server.answers(fetch.served_by)
         if fetch.target is None:
-            info = server.parallel_info() if fetch.ok else unreachable
+            info = server.parallel_info() if ok else unreachable
             rank.core.parallel_info(addr, info, now)
         else:
             engine_rank, dp_group = fetch.target
-            answer = server.rank_info(engine_rank, dp_group) if fetch.ok else unreachable
+            answer = server.rank_info(engine_rank, dp_group) if ok else unreachable
             rank.core.rank_info(addr, dp_group, engine_rank, answer, now)
         self.pump(rank, (), every=True)
 
@@ -335,22 +358,24 @@ class DecodeInstance:
         if not addrs:
             cluster.queue.after(interval, self._heartbeat, argument)
             return
-        results: list[tuple[str, bool]] = []
+        results: list[tuple[BootstrapServer, bool, int]] = []
         longest = 0.0
         for addr in addrs:
             server = cluster.bootstrap_by_addr[addr]
             delay, ok = cluster.network.exchange(rank.ip, server.host, server.up)
-            results.append((addr, ok))
+            results.append((server, ok, server.incarnation))
             longest = max(longest, delay)
         cluster.queue.after(longest, self._beaten, (incarnation, rank, results))
 
-    def _beaten(self, argument: tuple[int, DecodeRank, list[tuple[str, bool]]]) -> None:
+    def _beaten(
+        self, argument: tuple[int, DecodeRank, list[tuple[BootstrapServer, bool, int]]]
+    ) -> None:
         incarnation, rank, results = argument
         if incarnation != self.incarnation or not rank.alive:
             return
         cluster = self.cluster
-        for addr, ok in results:
-            rank.core.heartbeat(addr, ok, cluster.now)
+        for server, ok, served_by in results:
+            rank.core.heartbeat(server.addr, ok and server.answers(served_by), cluster.now)
         self.pump(rank, (), every=True)
         cluster.queue.after(
             cluster.config.timings.heartbeat_interval, self._heartbeat, (incarnation, rank)

@@ -27,6 +27,11 @@ on what that event touched:
   and its per-peer tables within their bounds.
 * ``bounds`` — while it runs, no core table outgrows its bound.
 * ``raised`` — no core raised into its shell while handling input.
+* ``released`` — no write reads a Prefill arena whose registration was released
+  for a sleep (docs/protocol.md#proto-sleep-wake): none is in flight when
+  :meth:`~tspd.core.prefill.PrefillCore.check_release` lets the release happen,
+  and none is issued until the wake; and a release is refused only while the
+  scheduler tracks a request.
 
 A strict violation stops the run at once: :class:`SimulationFailed` carries the
 seed, the configuration and the timeline of the room that broke.
@@ -64,6 +69,7 @@ class Check(enum.StrEnum):
     DRAINED = "drained"
     BOUNDS = "bounds"
     RAISED = "raised"
+    RELEASED = "released"
 
 
 @dataclass(frozen=True, slots=True)

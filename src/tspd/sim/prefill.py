@@ -10,7 +10,9 @@ engine's TP group does (docs/protocol.md#proto-prefill-poll):
   replica agreement, docs/protocol.md#proto-replica-agreement) and concludes on
   every rank, which must all return the same events;
 * ``Bootstrapped`` starts the forward; when it ends, the request's pages are
-  allocated and written on every rank and handed over (full transfer);
+  allocated and written on every rank and handed over (full transfer); with
+  ``SimConfig.layerwise`` the request joins the group's forward loop instead
+  (:mod:`tspd.sim.layerwise`), which streams it chunk by chunk, layer by layer;
 * ``Succeeded``/``Failed`` end the request and free its pages;
 * with the ``abort`` fault, some requests are aborted on every rank at a random
   moment.
@@ -23,6 +25,18 @@ A crash takes the whole group down (a TP group dies together): the cores, their
 tables, the scheduler's requests and the arenas are lost; after the restart delay
 every rank comes back with a new core on a new control port and ``PUT``\\ s its
 route again. Nobody else is told.
+
+A sleep (the ``sleep`` fault, docs/protocol.md#proto-sleep-wake) closes the group
+to new requests (those already on their way wait in the engine's queue) and asks
+for the release of every rank's arena registration when the sleep begins and
+again each time a request ends; each rank's
+:meth:`~tspd.core.prefill.PrefillCore.check_release` refuses while its core tracks
+a request, and the release happens once every rank accepts. The arenas' contents
+are lost (the memory is freed), and no write may read them until the wake restores
+the registration: the ``released`` check fails a release accepted while the
+scheduler still tracks a request, a write in flight at the release and a write
+issued while released. The group wakes after ``Timings.sleep_time`` and serves
+again; the cores, ports and sessions stay.
 """
 
 from __future__ import annotations
@@ -32,11 +46,13 @@ from typing import TYPE_CHECKING
 
 from tspd.core.bootstrap import build_route_payload
 from tspd.core.commands import Bootstrapped, Command, Failed, SendFrames, StartTransfer, Succeeded
+from tspd.core.errors import ProtocolError
 from tspd.core.machines import RoomState
 from tspd.core.prefill import PrefillConfig, PrefillCore
 from tspd.sim import arena
 from tspd.sim.agreement import iterate_group
 from tspd.sim.invariants import Check
+from tspd.sim.layerwise import ForwardLoop
 from tspd.sim.notes import record
 from tspd.sim.transfers import SimEngine
 from tspd.sim.workload import Request
@@ -63,7 +79,10 @@ class PrefillRank:
         "ip",
         "name",
         "port",
+        "registered",
+        "schedule",
         "seen",
+        "steps",
         "timer_at",
         "timer_spins",
         "tp_rank",
@@ -84,10 +103,20 @@ class PrefillRank:
             config.head_dim,
             config.page_tokens,
             config.num_pages,
+            config.layers,
         )
         contract = arena.contract_for(
-            group.tp, config.kv_heads, config.head_dim, config.page_tokens, config.num_pages
+            group.tp,
+            config.kv_heads,
+            config.head_dim,
+            config.page_tokens,
+            config.num_pages,
+            config.layers,
         )
+        #: The producer schedule (one step per layer) and the device's step counter:
+        #: producer steps completed so far (layerwise only).
+        self.schedule = arena.schedule_for(contract, config.layers)
+        self.steps = 0
         self.base = (cluster.next_base()) << 32
         self.arena: list[int | None] = [None] * self.geometry.cells
         timings = config.timings
@@ -101,6 +130,8 @@ class PrefillRank:
                 transfer_workers=config.transfer_workers,
                 bootstrap_timeout=timings.bootstrap_timeout,
                 failed_session_ttl=timings.failed_session_ttl,
+                layerwise=self.schedule if config.layerwise else None,
+                layerwise_interval=config.layerwise_interval,
             )
         )
         self.engine = SimEngine(cluster, self, config.transfer_workers)
@@ -109,6 +140,8 @@ class PrefillRank:
         self.timer_at: float | None = None
         self.timer_spins = 0
         self.alive = True
+        #: Whether the arena is registered with the transfer engine (not asleep).
+        self.registered = True
 
     def on_control(self, frames: Sequence[bytes]) -> None:
         """A message arrived on the control port."""
@@ -140,11 +173,26 @@ class PrefillGroup:
         self.pool = arena.PagePool(cluster.config.num_pages, cluster.page_rng)
         self.poll_at: float | None = None
         self.crashes = 0
+        #: The forward loop (layerwise mode only; a new one per incarnation).
+        self.forwards: ForwardLoop | None = None
+        #: ``"closing"`` while a sleep waits for the release, ``"asleep"`` once the
+        #: arenas are released, ``None`` while serving.
+        self.sleep: str | None = None
+        self.sleeps = 0
+        #: Releases a rank refused (a request was still tracked).
+        self.refusals = 0
+        #: Requests that arrived while the group was going to sleep or asleep.
+        self.queued: list[Request] = []
 
     @property
     def hosts(self) -> frozenset[str]:
         """The hosts of the group's ranks."""
         return frozenset(rank.ip for rank in self.ranks)
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the router may send the group requests (up, not going to sleep)."""
+        return self.alive and self.sleep is None
 
     def key(self, request: Request) -> str:
         """The request's name on this side, for deadlines and reports."""
@@ -157,29 +205,62 @@ class PrefillGroup:
         cluster = self.cluster
         self.incarnation += 1
         self.poll_at = None
+        self.sleep = None
         self.ranks = [PrefillRank(self, r, cluster.next_port()) for r in range(self.tp)]
         self.alive = True
         self.pool = arena.PagePool(cluster.config.num_pages, cluster.page_rng)
-        server = cluster.bootstrap[self.instance]
+        self.forwards = ForwardLoop(self) if cluster.config.layerwise else None
+        interval = cluster.config.timings.reregister_interval
         for rank in self.ranks:
             cluster.network.listen(rank.ip, rank.port, rank.name, rank.on_control)
-            payload = build_route_payload(
-                rank_ip=rank.ip,
-                rank_port=rank.port,
-                engine_rank=self.dp * self.tp + rank.tp_rank,
-                world_size=self.tp * self.dp_size,
-                dp_size=self.dp_size,
-                cache_layout=rank.core.config.contract.to_json(),
-            )
-            delay, ok = cluster.network.exchange(rank.ip, server.host, server.up)
-            if ok:
-                cluster.queue.after(delay / 2, self._put, (rank, payload))
+            self._register(rank)
+            if interval > 0:
+                cluster.queue.after(interval, self._reregister, rank)
 
-    def _put(self, argument: tuple[PrefillRank, dict[str, object]]) -> None:
-        rank, payload = argument
+    def _register(self, rank: PrefillRank) -> None:
+        """``PUT`` the rank's route to its instance's bootstrap server; a failure is
+        logged and the rank runs on, unreachable (docs/protocol.md#proto-bootstrap-clients)."""
+        cluster = self.cluster
+        server = cluster.bootstrap[self.instance]
+        payload = build_route_payload(
+            rank_ip=rank.ip,
+            rank_port=rank.port,
+            engine_rank=self.dp * self.tp + rank.tp_rank,
+            world_size=self.tp * self.dp_size,
+            dp_size=self.dp_size,
+            cache_layout=rank.core.config.contract.to_json(),
+        )
+        delay, ok = cluster.network.exchange(rank.ip, server.host, server.up)
+        if ok:
+            cluster.queue.after(delay / 2, self._put, (rank, payload, server.incarnation))
+        else:
+            cluster.queue.after(delay, self._unregistered, rank)
+
+    def _reregister(self, rank: PrefillRank) -> None:
+        if rank.alive:
+            self._register(rank)
+            self.cluster.queue.after(
+                self.cluster.config.timings.reregister_interval, self._reregister, rank
+            )
+
+    def _unregistered(self, rank: PrefillRank) -> None:
+        if rank.alive:
+            server = self.cluster.bootstrap[self.instance]
+            self.cluster.log(
+                rank.name,
+                f"the Prefill rank failed to register with the bootstrap server at "
+                f"{server.addr}; Decode ranks cannot reach it until it registers again",
+            )
+
+    def _put(self, argument: tuple[PrefillRank, dict[str, object], int]) -> None:
+        rank, payload, served_by = argument
         if not rank.alive:
             return
-        reply = self.cluster.bootstrap[self.instance].put_route(payload)
+        server = self.cluster.bootstrap[self.instance]
+        if not server.answers(served_by):
+            self._unregistered(rank)
+            return
+        reply = server.put_route(payload)
         if reply.status != 200:
             self.cluster.checker.violate(
                 Check.RAISED, rank.name, f"the bootstrap server refused its route: {reply.body}"
@@ -200,9 +281,14 @@ class PrefillGroup:
             cluster.checker.ended(self.key(request))
             cluster.outcomes.lost += 1
             cluster.router.side_ended(request)
+        for request in self.queued:
+            cluster.timeline.note(request.room, now, self.name, "request lost: the group crashed")
+            cluster.outcomes.lost += 1
+            cluster.router.side_ended(request)
         self.requests.clear()
         self.by_room.clear()
         self.pages.clear()
+        self.queued.clear()
         cluster.queue.after(cluster.config.timings.restart_delay, self._restart, self.incarnation)
 
     def _restart(self, incarnation: int) -> None:
@@ -302,6 +388,12 @@ class PrefillGroup:
             cluster.outcomes.lost += 1
             cluster.router.side_ended(request)
             return
+        if self.sleep is not None:
+            # Sent before the group closed: it waits in the engine's queue and is
+            # scheduled (registered with the cores) once the group is awake.
+            cluster.timeline.note(request.room, now, self.name, "queued until the group wakes")
+            self.queued.append(request)
+            return
         timings = cluster.config.timings
         self.requests[request.rid] = request
         self.by_room[request.room] = request
@@ -345,9 +437,17 @@ class PrefillGroup:
                 continue
             if isinstance(event, Bootstrapped):
                 cluster.timeline.note(request.room, now, self.name, "Bootstrapped event")
-                cluster.queue.after(
-                    cluster.forward_time(request), self._forward_done, (self.incarnation, request)
-                )
+                if self.forwards is not None:
+                    bound = self.forwards.bootstrapped(request)
+                    cluster.checker.expect_end(
+                        self.key(request), request.room, bound + cluster.slack
+                    )
+                else:
+                    cluster.queue.after(
+                        cluster.forward_time(request),
+                        self._forward_done,
+                        (self.incarnation, request),
+                    )
             elif isinstance(event, Succeeded):
                 self._end(request, "Succeeded")
             else:
@@ -371,6 +471,8 @@ class PrefillGroup:
         del self.requests[request.rid]
         self.by_room.pop(request.room, None)
         pages = self.pages.pop(request.rid, None)
+        if self.forwards is not None:
+            pages = self.forwards.ended(request.rid, pages)
         if pages is not None:
             self.pool.give(pages)
         cluster.checker.ended(self.key(request))
@@ -379,6 +481,80 @@ class PrefillGroup:
             cluster.outcomes.prefill_succeeded += 1
         else:
             cluster.outcomes.prefill_failed += 1
+        if self.sleep == "closing":
+            self.ask_release()
+
+    # ------------------------------------------------------------------ sleep / wake
+
+    def go_to_sleep(self) -> bool:
+        """The engine is asked to sleep: stop taking requests and ask for the
+        release. ``False`` when the group is down or already sleeping."""
+        if not self.alive or self.sleep is not None:
+            return False
+        cluster = self.cluster
+        self.sleep = "closing"
+        self.sleeps += 1
+        cluster.log(self.name, f"going to sleep ({len(self.requests)} requests tracked)")
+        self.ask_release()
+        return True
+
+    def ask_release(self) -> None:
+        """Ask for the release once the current event is done (the group is going to
+        sleep; a request ended, or a forward)."""
+        self.cluster.queue.after(0.0, self._release, self.incarnation)
+
+    def _release(self, incarnation: int) -> None:
+        """Ask every rank to release its arena's registration; go to sleep once all
+        accept (a refusal waits for the next request's end, or chunk's end)."""
+        if incarnation != self.incarnation or self.sleep != "closing":
+            return
+        if self.forwards is not None and self.forwards.busy_until is not None:
+            return  # The engine releases between forwards; the forward's end asks again.
+        cluster = self.cluster
+        for rank in self.ranks:
+            try:
+                rank.core.check_release()
+            except ProtocolError:
+                self.refusals += 1
+                return
+        if self.requests:
+            request = next(iter(self.requests.values()))
+            cluster.checker.violate(
+                Check.RELEASED,
+                self.name,
+                f"check_release() accepted while the scheduler tracks {len(self.requests)} "
+                f"requests ({', '.join(sorted(self.requests)[:4])})",
+                request.room,
+            )
+        for rank in self.ranks:
+            writes = rank.engine.writes_in_flight()
+            if writes:
+                room = writes[0]
+                cluster.checker.violate(
+                    Check.RELEASED,
+                    rank.name,
+                    f"check_release() let the arena's registration go while {len(writes)} "
+                    f"write(s) from it were in flight (rooms {sorted(set(writes))}): they read "
+                    "released memory",
+                    room,
+                )
+            rank.registered = False
+            arena.clear(rank.arena)
+        self.sleep = "asleep"
+        cluster.log(self.name, "asleep: the arenas' registrations are released")
+        cluster.queue.after(cluster.config.timings.sleep_time, self._wake, incarnation)
+
+    def _wake(self, incarnation: int) -> None:
+        if incarnation != self.incarnation or self.sleep != "asleep":
+            return
+        for rank in self.ranks:
+            rank.registered = True
+        self.sleep = None
+        self.cluster.log(self.name, "awake: the arenas are registered again")
+        queued, self.queued = self.queued, []
+        for request in queued:
+            self.submit(request)
+        self.cluster.router.kick()
 
     def _forward_done(self, argument: tuple[int, Request]) -> None:
         """The request's forward ran: its KV is in its pages; hand it over."""
@@ -387,10 +563,7 @@ class PrefillGroup:
             return
         cluster = self.cluster
         now = cluster.now
-        pages = self.pool.take(request.pages)
-        if pages is None:
-            raise AssertionError(f"{self.name} has no pages for {request.rid}: size the run")
-        self.pages[request.rid] = pages
+        pages = self.take_pages(request)
         cluster.focus = request.room
         tables = {arena.GROUP: pages}
         cluster.timeline.note(request.room, now, self.name, f"hand over pages {pages}")
@@ -399,6 +572,14 @@ class PrefillGroup:
             rank.core.record_usage(request.room, request.cached_tokens)
             rank.core.hand_over(request.room, tables, request.token, (), now)
             self.pump(rank, (request.room,))
+
+    def take_pages(self, request: Request) -> list[int]:
+        """Allocate the request's pages on every rank (one block table)."""
+        pages = self.pool.take(request.pages)
+        if pages is None:
+            raise AssertionError(f"{self.name} has no pages for {request.rid}: size the run")
+        self.pages[request.rid] = pages
+        return pages
 
     def _abort(self, argument: tuple[int, Request]) -> None:
         incarnation, request = argument

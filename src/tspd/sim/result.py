@@ -33,7 +33,8 @@ class SimResult:
     the room of each violation and of the first few fenced rooms;
     ``stale_registrations`` counts, over every Prefill rank at the end, the
     registrations of Decode sessions whose process had died (they are never
-    dropped, so they grow with Decode churn).
+    dropped, so they grow with Decode churn). ``bootstrap_crashes`` and ``sleeps``
+    count the bootstrap servers that crashed and the Prefill groups that slept.
     """
 
     seed: int
@@ -47,6 +48,8 @@ class SimResult:
     transfers: TransferStats
     crashes: int
     partitions: int
+    bootstrap_crashes: int
+    sleeps: int
     violations: tuple[Violation, ...]
     fenced: tuple[Violation, ...]
     fenced_corruptions: int

@@ -1,8 +1,9 @@
 """The router: admits requests and sends each to its Prefill and Decode sides.
 
 A request waits until its Prefill DP group (``room % dp_size``, as
-docs/protocol.md#proto-room-routing routes) is up with fewer than
-``max_inflight`` requests, and its Decode instance is up with pages for it; then
+docs/protocol.md#proto-room-routing routes) is up, awake, with fewer than
+``max_inflight`` requests, and its Decode instance (the instance's DP group
+``room % dp_size`` when it has several) is up with pages for it; then
 the Decode pages are reserved and both sides get the request after a small,
 independent delay (either may hear of it first). A hedged request also goes to a
 second Decode instance under the same room, when that one has room too.
@@ -60,7 +61,7 @@ class Router:
             request = self.waiting.popleft()
             scanned += 1
             group = cluster.prefill_group(request)
-            decode = cluster.decode[request.decode]
+            decode = cluster.decode_group(request.decode, request.room)
             if group in blocked or decode in blocked:
                 kept.append(request)
             elif not self._send(request):
@@ -71,12 +72,12 @@ class Router:
         self._maybe_drained()
 
     def _group_open(self, group: PrefillGroup) -> bool:
-        return group.alive and len(group.requests) < self.cluster.config.max_inflight
+        return group.accepting and len(group.requests) < self.cluster.config.max_inflight
 
     def _send(self, request: Request) -> bool:
         cluster = self.cluster
         group = cluster.prefill_group(request)
-        decode = cluster.decode[request.decode]
+        decode = cluster.decode_group(request.decode, request.room)
         if not self._group_open(group):
             return False
         if decode.reserve(request) is None:
@@ -95,7 +96,7 @@ class Router:
         cluster.queue.at(now + rng.uniform(0.0, 0.001), decode.submit, request)
         if request.hedge is not None:
             twin = replace(request, rid=f"{request.rid}h", hedge=None)
-            other = cluster.decode[request.hedge]
+            other = cluster.decode_group(request.hedge, request.room)
             if other.reserve(twin) is not None:
                 self.live_sides += 1
                 cluster.sent_to[request.room].append(other.name)

@@ -23,8 +23,16 @@ Each write is one engine call whose outcome the run's generator draws:
 
 Bytes land through :meth:`tspd.sim.decode.DecodeInstance.land`, which reads the
 source cells at that moment (an RDMA write reads its source while it runs) and
-checks fencing. Layerwise intervals are not simulated (the simulator hands over
-full transfers only).
+checks fencing.
+
+Layerwise chunks (:mod:`tspd.sim.layerwise`): before an interval with a target
+step, the worker waits as the shell's workers do (:mod:`tspd.shell.transfers`): it
+asks whether to stop (the room ended: ``Cache-transfer layerwise wait aborted
+for room …``; a destination session failed: ``Cache-transfer layerwise peer failed
+for room …``, both reported as ``transfer_failed(room, None, reason)``), then waits
+until the rank's producer step counter is past the target
+(:func:`tspd.core.schedule.step_ready`), asking again every 100 ms while it waits.
+Each step the forward completes wakes the waiting workers of that rank.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tspd.core.commands import DestinationWrite, StartTransfer
+from tspd.core.schedule import step_ready
 from tspd.sim.invariants import Check
 
 if TYPE_CHECKING:
@@ -41,7 +50,10 @@ if TYPE_CHECKING:
     from tspd.sim.decode import DecodeRank
     from tspd.sim.prefill import PrefillRank
 
-__all__ = ["SimEngine", "TransferStats"]
+__all__ = ["WAIT_CHECK", "SimEngine", "TransferStats"]
+
+#: A layerwise step wait asks whether to stop this often (the shell's ~100 ms).
+WAIT_CHECK = 0.1
 
 
 @dataclass(slots=True)
@@ -56,6 +68,9 @@ class TransferStats:
     late: int = 0
     gone: int = 0
     stopped: int = 0
+    #: Layerwise intervals that waited for their producer step, and waits stopped.
+    step_waits: int = 0
+    waits_stopped: int = 0
 
 
 class _Worker:
@@ -68,15 +83,19 @@ class _Worker:
         self.bound = 0.0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Run:
     worker: _Worker
     job: StartTransfer
     interval: int = 0
     write: int = 0
+    #: The interval whose producer step was seen ready (-1: none yet).
+    ready: int = -1
+    #: Bumped at each wait, so a stale 100 ms check finds nothing to do.
+    wait: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Write:
     run: _Run
     write: DestinationWrite
@@ -85,6 +104,8 @@ class _Write:
     error: str
     #: Copies that land when it completes (all on success, a prefix on failure).
     landing: int
+    #: Issue order, for reports.
+    seq: int = 0
 
 
 class SimEngine:
@@ -98,17 +119,37 @@ class SimEngine:
         self.alive = True
         #: Chunks queued or running.
         self.pending = 0
+        #: Runs waiting for a producer step, in the order they began to wait.
+        self.waiting: list[_Run] = []
+        #: Writes issued and not yet reported (a late landing is not counted).
+        self._in_flight: set[_Write] = set()
+
+    def writes_in_flight(self) -> list[int]:
+        """The room of every write issued and not yet reported, in issue order."""
+        return [w.run.job.room for w in sorted(self._in_flight, key=lambda w: w.seq)]
 
     def write_bound(self) -> float:
         """The longest one engine call may take before it is reported."""
         timings = self.cluster.config.timings
         return timings.transfer_timeout + 20 * timings.write_latency
 
+    def wait_bound(self, job: StartTransfer) -> float:
+        """The longest a chunk may wait for its producer steps: its forward, which
+        was armed with it, and one more check of the wait."""
+        forwards = self.rank.group.forwards
+        if forwards is None or all(i.target_step is None for i in job.intervals):
+            return 0.0
+        return forwards.forward_bound() + WAIT_CHECK
+
     def enqueue(self, job: StartTransfer) -> float:
         """Queue a chunk on its worker; returns the latest time it can end."""
         worker = self.workers[job.shard]
         calls = sum(1 for i in job.intervals for w in i.writes if len(w.plan))
-        worker.bound = max(worker.bound, self.cluster.queue.now) + calls * self.write_bound()
+        worker.bound = (
+            max(worker.bound, self.cluster.queue.now)
+            + calls * self.write_bound()
+            + self.wait_bound(job)
+        )
         worker.jobs.append(job)
         self.pending += 1
         self.cluster.stats.chunks += 1
@@ -127,11 +168,80 @@ class SimEngine:
         """The worker's check before each write (the shell's ``room_active``)."""
         return not self.rank.core.room_active(room)
 
+    def step_ready(self, target: int) -> bool:
+        """Whether the rank's producer step counter is past ``target``."""
+        return step_ready(self.rank.steps, target)
+
+    def wait_should_stop(self, job: StartTransfer) -> str | None:
+        """The shell's check during a step wait: a reason to stop, else ``None``."""
+        core, room = self.rank.core, job.room
+        if not core.room_active(room):
+            return f"Cache-transfer layerwise wait aborted for room {room}"
+        now = self.cluster.now
+        if any(not core.session_alive(session, now) for session in job.sessions):
+            return f"Cache-transfer layerwise peer failed for room {room}"
+        return None
+
+    def _waited(self, run: _Run) -> bool:
+        """The wait before the run's current interval: ``True`` to go on writing;
+        ``False`` when the run stopped or waits (it resumes on its own)."""
+        target = run.job.intervals[run.interval].target_step
+        if target is None or run.ready == run.interval:
+            return True
+        reason = self.wait_should_stop(run.job)
+        if reason is not None:
+            self._stop_wait(run, reason)
+            return False
+        if self.step_ready(target):
+            run.ready = run.interval
+            return True
+        self.cluster.stats.step_waits += 1
+        run.wait += 1
+        self.waiting.append(run)
+        self.cluster.queue.after(WAIT_CHECK, self._check_wait, (run, run.wait))
+        return False
+
+    def _stop_wait(self, run: _Run, reason: str) -> None:
+        cluster = self.cluster
+        cluster.stats.waits_stopped += 1
+        room = run.job.room
+        cluster.timeline.note(room, cluster.now, self.rank.name, f"step wait stops: {reason}")
+        self.rank.core.transfer_failed(room, None, reason, cluster.now)
+        self._finish(run)
+
+    def _check_wait(self, argument: tuple[_Run, int]) -> None:
+        """The wait's 100 ms check: stop, or wait on."""
+        run, wait = argument
+        if not self.alive or run.wait != wait or run not in self.waiting:
+            return
+        reason = self.wait_should_stop(run.job)
+        if reason is not None:
+            self.waiting.remove(run)
+            self._stop_wait(run, reason)
+            return
+        self.cluster.queue.after(WAIT_CHECK, self._check_wait, argument)
+
+    def step_advanced(self) -> None:
+        """The rank's step counter moved: resume the runs whose step is done."""
+        if not self.waiting or not self.alive:
+            return
+        runs = self.waiting
+        resumed = [r for r in runs if self.step_ready(r.job.intervals[r.interval].target_step or 0)]
+        if not resumed:
+            return
+        self.waiting = [r for r in runs if r not in resumed]
+        for run in resumed:
+            run.ready = run.interval
+            run.wait += 1
+            self._advance(run)
+
     def _advance(self, run: _Run) -> None:
         cluster, rank, job = self.cluster, self.rank, run.job
         room = job.room
         intervals = job.intervals
         while run.interval < len(intervals):
+            if run.write == 0 and not self._waited(run):
+                return
             writes = intervals[run.interval].writes
             while run.write < len(writes):
                 write = writes[run.write]
@@ -160,6 +270,9 @@ class SimEngine:
         self.pending -= 1
         rank.core.transfer_done(run.job.room, self.cluster.now)
         rank.group.pump(rank, (run.job.room,))
+        if rank.group.sleep == "closing":
+            # A release refused while this chunk was with the workers may go now.
+            rank.group.ask_release()
         self._start_next(run.worker)
 
     def _issue(self, run: _Run, write: DestinationWrite) -> None:
@@ -174,6 +287,14 @@ class SimEngine:
                 f"({rank.core.room_state(room).value})",
                 room,
             )
+        if not rank.registered:
+            cluster.checker.violate(
+                Check.RELEASED,
+                rank.name,
+                f"a write to {write.session_id} was issued while the arena's registration "
+                "was released (asleep)",
+                room,
+            )
         stats = cluster.stats
         stats.writes += 1
         timings, faults, rng = cluster.config.timings, cluster.config.faults, cluster.engine_rng
@@ -184,13 +305,13 @@ class SimEngine:
             stats.gone += 1
             pending = _Write(run, write, None, False, "transfer failed: remote session gone", 0)
             cluster.timeline.note(room, now, rank.name, f"write to {write.session_id}: peer gone")
-            cluster.queue.after(latency, self._done, pending)
+            cluster.queue.after(latency, self._done, self._track(pending))
             return
         if cluster.network.cut(rank.ip, target.ip) or (faults.hang and rng.random() < faults.hang):
             stats.hung += 1
             pending = _Write(run, write, target, False, "transfer timed out", 0)
             cluster.timeline.note(room, now, rank.name, f"write to {target.name} hangs")
-            cluster.queue.after(timings.transfer_timeout, self._done, pending)
+            cluster.queue.after(timings.transfer_timeout, self._done, self._track(pending))
             if faults.late and rng.random() < faults.late:
                 stats.late += 1
                 delay = timings.transfer_timeout * rng.uniform(1.0, 2.0)
@@ -199,9 +320,15 @@ class SimEngine:
         if faults.xfail and rng.random() < faults.xfail:
             landing = rng.randrange(copies + 1) if rng.random() < 0.5 else 0
             pending = _Write(run, write, target, False, "injected write failure", landing)
-            cluster.queue.after(latency, self._done, pending)
+            cluster.queue.after(latency, self._done, self._track(pending))
             return
-        cluster.queue.after(latency, self._done, _Write(run, write, target, True, "", copies))
+        pending = _Write(run, write, target, True, "", copies)
+        cluster.queue.after(latency, self._done, self._track(pending))
+
+    def _track(self, pending: _Write) -> _Write:
+        pending.seq = self.cluster.stats.writes
+        self._in_flight.add(pending)
+        return pending
 
     def _land(self, pending: _Write, count: int, late: bool) -> None:
         if pending.target is None or count <= 0:
@@ -215,6 +342,7 @@ class SimEngine:
         self._land(pending, len(pending.write.plan), True)
 
     def _done(self, pending: _Write) -> None:
+        self._in_flight.discard(pending)
         self._land(pending, pending.landing, False)
         if not self.alive:
             return
