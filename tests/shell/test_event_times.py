@@ -58,7 +58,8 @@ def test_events_carry_their_room_and_host_monotonic_times() -> None:
         assert event.room == 4242  # type: ignore[union-attr]
         assert start <= event.at <= end, (event, start, end)  # type: ignore[union-attr]
     sent, done = seen["sent"], seen["done"]
-    assert isinstance(sent, Succeeded) and isinstance(done, RemotePrefillDone)
+    assert isinstance(sent, Succeeded)
+    assert isinstance(done, RemotePrefillDone)
     # The Prefill sent Success before the Decode received it: one clock for both.
     assert seen["prefill-bootstrapped"].at <= sent.at <= done.at  # type: ignore[union-attr]
 

@@ -426,10 +426,12 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
 
     def check_release(self) -> None:
         """Refuse a sleep's release of the registered cache while a tracked request's
-        KV may still go out (docs/protocol.md#proto-sleep-wake); unclaimed rooms send nothing and
-        do not
-        block it. Raises :class:`ProtocolError` listing the rooms."""
-        rooms = self.tracked_rooms()
+        KV may still go out, or a chunk of any room is still with the transfer workers
+        (a room that failed and was forgotten while its write hung still reads the
+        arena until ``transfer_done``; docs/protocol.md#proto-sleep-wake). Unclaimed
+        rooms send nothing and do not block it. Raises :class:`ProtocolError` listing
+        the rooms."""
+        rooms = sorted(set(self._tracked) | set(self._writing))
         if rooms:
             raise ProtocolError(
                 f"cannot release the cache while KV sends are in flight: rooms {rooms}"
