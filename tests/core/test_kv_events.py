@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from collections.abc import Callable, Sequence
+from enum import IntEnum
 
 import msgpack
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from tspd.core.errors import WireError
 from tspd.core.kv_events import (
     AllBlocksCleared,
+    BatchEncoder,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
@@ -204,6 +206,57 @@ def test_any_bytes_decode_or_raise_wire_error(payload: bytes) -> None:
 def test_encoding_rejects_integers_outside_64_bits() -> None:
     with pytest.raises(ValueError, match="64-bit"):
         encode_batch(KVEventBatch(0.0, (BlockRemoved((1 << 64,)),), 0))
+
+
+def test_the_batch_encoder_writes_the_reference_bytes() -> None:
+    encoder = BatchEncoder(2)
+    events = [BlockStored((123,), None, (1, 2), 2), BlockRemoved((123,))]
+    assert encoder.encode(1.5, events) == GOLDEN_BATCH
+    assert encoder.encode(1.5, iter(events)) == GOLDEN_BATCH  # reused, from an iterator
+    extreme = BatchEncoder(0).encode(1.5, [BlockStored((U64,), 1 << 63, (-1, 70000), 16)])
+    assert extreme.endswith(GOLDEN_EVENT + b"\x00")
+
+
+@given(batches)
+def test_the_batch_encoder_agrees_with_encode_batch(batch: KVEventBatch) -> None:
+    encoder = BatchEncoder(batch.dp_rank)
+    for _ in range(2):
+        assert encoder.encode(batch.ts, batch.events) == encode_batch(batch)
+
+
+def test_the_batch_encoder_writes_subclassed_events_as_their_base() -> None:
+    class Stored(BlockStored):
+        __slots__ = ()
+
+    plain = BlockStored((5,), 4, (1, 2, 3), 3)
+    sub = Stored((5,), 4, (1, 2, 3), 3)
+    assert BatchEncoder(0).encode(2, [sub]) == encode_batch(KVEventBatch(2.0, (plain,), 0))
+
+
+def test_what_msgspec_refuses_the_batch_encoder_writes_as_the_reference_does() -> None:
+    class Token(int):
+        pass
+
+    class Rank(IntEnum):
+        TWO = 2
+
+    events = [BlockStored((Token(1 << 40),), Token(3), (Token(70000), -1), Token(16))]
+    plain = [BlockStored((1 << 40,), 3, (70000, -1), 16)]
+    reference = encode_batch(KVEventBatch(1.0, tuple(plain), 2))
+    assert encode_events(1.0, events, 2) == reference
+    assert BatchEncoder(2).encode(1.0, events) == reference
+    assert BatchEncoder(Rank.TWO).encode(1, plain) == reference
+
+
+def test_the_batch_encoder_raises_for_bad_fields_and_stays_usable() -> None:
+    encoder = BatchEncoder(0)
+    good = [BlockRemoved((7,))]
+    with pytest.raises(ValueError, match="64-bit"):
+        encoder.encode(0.0, [BlockRemoved((1, 1 << 64))])
+    assert encoder.encode(0.0, good) == encode_batch(KVEventBatch(0.0, tuple(good), 0))
+    with pytest.raises(TypeError):
+        encoder.encode(0.0, [BlockRemoved((object(),))])  # type: ignore[arg-type]
+    assert encoder.encode(0.0, good) == encode_batch(KVEventBatch(0.0, tuple(good), 0))
 
 
 # The decoder's fast path (TokenSpeed's shape) must agree with its careful path on

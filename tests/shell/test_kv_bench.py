@@ -11,6 +11,7 @@ ROWS = [
     "raw limit: plain PUB→SUB",
     "end to end, 16-event batches",
     "publish() from an engine thread",
+    "publish() of 16-event batches, engine thread",
     "hand-off: bounded queue + run_sync_soon (tspd)",
     "hand-off: trio.from_thread.run(channel.send)",
     "replay of 1,000 batches to a DEALER",

@@ -17,11 +17,14 @@ import zmq
 from tspd.core.errors import ConfigError
 from tspd.core.kv_config import KVEventsConfig
 from tspd.core.kv_events import (
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
+    KVEventBatch,
     decode_batch,
     decode_pub_frames,
+    encode_batch,
 )
 from tspd.core.replay import END_SEQ_FRAME, decode_replay_reply, encode_replay_request
 from tspd.shell.kv_publisher import (
@@ -35,6 +38,14 @@ from tspd.shell.ports import free_port
 from tspd.shell.zmq import TrioSocket, open_socket
 
 EVENTS: list[KVEvent] = [BlockStored((11,), None, (1, 2, 3, 4), 4), BlockRemoved((7,))]
+
+# docs/protocol.md#proto-kv-wire's reference batch (tests/core/test_kv_events.py), DP rank 0.
+GOLDEN_BATCH_RANK_0 = bytes.fromhex(
+    "93" "cb3ff8000000000000" "92"
+    "95" "ab" + b"BlockStored".hex() + "91" "7b" "c0" "92" "01" "02" "02"
+    "92" "ac" + b"BlockRemoved".hex() + "91" "7b"
+    "00"
+)  # fmt: skip
 
 
 async def _until(predicate: Callable[[], bool], limit: float = 10.0) -> None:
@@ -466,3 +477,127 @@ async def test_the_callers_error_leaves_the_block_unwrapped(ipc_dir: str) -> Non
     with pytest.raises(KeyError, match="mine"):
         async with open_kv_publisher(_config(f"ipc://{ipc_dir}/p")):
             raise KeyError("mine")
+
+
+class _WatchedEvents(list[KVEvent]):
+    """A round's events that note every thread iterating over them: the encoder does,
+    ``publish`` (which only hands the sequence over) must not."""
+
+    def __init__(self, events: list[KVEvent], readers: list[int]) -> None:
+        super().__init__(events)
+        self.readers = readers
+
+    def __iter__(self) -> Iterator[KVEvent]:
+        self.readers.append(threading.get_ident())
+        return super().__iter__()
+
+
+async def test_publish_leaves_the_encoding_to_the_sender_task(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str
+) -> None:
+    readers: list[int] = []
+    engine: list[int] = []
+    async with open_kv_publisher(_config(f"ipc://{ipc_dir}/p"), ctx=ctx) as pub:
+        trio_thread = threading.get_ident()
+
+        def engine_thread() -> None:
+            engine.append(threading.get_ident())
+            for i in range(20):
+                pub.publish(_WatchedEvents(EVENTS, readers), ts=float(i))
+            assert pub.publish_nowait(_WatchedEvents(EVENTS, readers))
+
+        await trio.to_thread.run_sync(engine_thread)
+        await pub.apublish(_WatchedEvents(EVENTS, readers))
+        await pub.wait_published(22)
+    # Every batch was read, each by the publisher's own (Trio) thread only.
+    assert len(readers) == 22
+    assert set(readers) == {trio_thread}
+    assert engine[0] not in readers
+    assert pub.statistics().events_published == 22 * len(EVENTS)
+
+
+async def test_published_payloads_are_the_reference_encoding(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str
+) -> None:
+    rounds: list[list[KVEvent]] = [
+        [BlockStored((123,), None, (1, 2), 2), BlockRemoved((123,))],
+        [BlockStored(((1 << 64) - 1,), 1 << 63, (-1, 70000), 16)],
+        [BlockStored((b"\x01" * 32, 5), b"\x02" * 32, (7,), 1), AllBlocksCleared()],
+        [BlockRemoved(())] * 40,
+    ]
+    config = _config(f"ipc://{ipc_dir}/p", replay_endpoint="tcp://127.0.0.1:0")
+    async with open_kv_publisher(config, dp_rank=0, ctx=ctx) as pub:
+        assert pub.replay_endpoint is not None
+        for i, events in enumerate(rounds):
+            await pub.apublish(events, ts=1.5 + i)
+        await pub.wait_published(len(rounds))
+        async with _dealer(ctx, pub.replay_endpoint) as dealer:
+            replayed = await _request(dealer, 0)
+    assert replayed == [
+        (i, encode_batch(KVEventBatch(1.5 + i, tuple(events), 0)))
+        for i, events in enumerate(rounds)
+    ]
+    assert replayed[0][1] == GOLDEN_BATCH_RANK_0
+
+
+async def test_a_batch_that_cannot_be_encoded_is_dropped_without_a_sequence_number(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    too_big: list[KVEvent] = [BlockStored((1 << 64,), None, (1,), 1)]
+    not_msgpack: list[KVEvent] = [BlockStored((1,), None, (object(),), 1)]  # type: ignore[arg-type]
+    config = _config(f"ipc://{ipc_dir}/p", replay_endpoint="tcp://127.0.0.1:0")
+    async with open_kv_publisher(config, ctx=ctx) as pub:
+        assert pub.replay_endpoint is not None
+
+        def engine_thread() -> None:
+            pub.publish(EVENTS, ts=0.0)
+            pub.publish(too_big)  # returns: the sender finds out, not the caller
+            assert pub.publish_nowait(not_msgpack)
+            pub.publish(iter(EVENTS))  # type: ignore[arg-type]  # not a Sequence: no len()
+            pub.publish(EVENTS, ts=1.0)
+
+        await trio.to_thread.run_sync(engine_thread)
+        await pub.wait_published(2)
+        stats = pub.statistics()
+        async with _dealer(ctx, pub.replay_endpoint) as dealer:
+            replayed = await _request(dealer, 0)
+    assert [(seq, decode_batch(payload).ts) for seq, payload in replayed] == [(0, 0.0), (1, 1.0)]
+    assert stats.batches_published == 2
+    assert stats.events_published == 2 * len(EVENTS)
+    assert stats.batches_dropped == 3
+    assert stats.next_seq == 2
+    assert "dropping a batch that cannot be encoded (ValueError" in caplog.text
+
+
+async def test_batches_still_queued_at_close_reach_the_subscriber(
+    ctx: zmq.Context[zmq.Socket[bytes]], ipc_dir: str
+) -> None:
+    n, queued = 2000, 1000
+    config = _config(f"ipc://{ipc_dir}/pub", max_queue_size=n, hwm=10 * n)
+    sub = open_socket(ctx, zmq.SUB)
+    sub.sock.setsockopt(zmq.RCVHWM, 10 * n)  # the test reads only after the close
+    sub.sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.sock.connect(f"ipc://{ipc_dir}/pub")
+    async with sub:
+        async with open_kv_publisher(config, ctx=ctx) as pub:
+            first = await _subscribed(pub, sub)
+
+            def engine_thread() -> None:
+                for i in range(n - queued):
+                    pub.publish(EVENTS, ts=float(i))
+
+            await trio.to_thread.run_sync(engine_thread)
+            # No checkpoint from here to the end of the block: these are all still
+            # queued, none encoded, when the publisher closes.
+            for i in range(n - queued, n):
+                assert pub.publish_nowait(EVENTS, ts=float(i))
+            assert pub.statistics().queue_depth >= queued
+        stats = pub.statistics()
+        got: list[tuple[int, float]] = []
+        with trio.fail_after(10):
+            while len(got) < n:
+                message = decode_pub_frames(await sub.recv_multipart())
+                got.append((message.seq, decode_batch(message.payload).ts))
+    assert got == [(first + i, float(i)) for i in range(n)]
+    assert stats.batches_published == first + n
+    assert stats.batches_dropped == 0

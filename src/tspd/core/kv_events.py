@@ -29,9 +29,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias, final
 
 import msgpack
+import msgspec
 
 from tspd.core.errors import WireError
 
@@ -39,6 +40,7 @@ __all__ = [
     "FNV_OFFSET_BASIS",
     "FNV_PRIME",
     "AllBlocksCleared",
+    "BatchEncoder",
     "BlockHash",
     "BlockRemoved",
     "BlockStored",
@@ -232,8 +234,21 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 def encode_events(ts: float, events: Iterable[KVEvent], dp_rank: int | None) -> bytes:
     """The payload of a batch of ``events`` without building the :class:`KVEventBatch`
-    first (the publisher's hot path); the same bytes as :func:`encode_batch`."""
-    return _pack((float(ts), list(map(_event_array, events)), dp_rank))
+    first; the same bytes as :func:`encode_batch`. (The publisher encodes with a
+    :class:`BatchEncoder`, which is faster and writes the same bytes.)"""
+    return _pack((float(ts), _event_arrays(events), dp_rank))
+
+
+def _event_arrays(events: Iterable[KVEvent]) -> list[tuple[Any, ...]]:
+    """Every event as its tagged array; :class:`BlockStored` (nearly every event) is
+    built inline, without a call per event."""
+    stored = BlockStored
+    return [
+        ("BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size)
+        if type(e) is stored
+        else _event_array(e)
+        for e in events
+    ]
 
 
 def _pack(obj: object) -> bytes:
@@ -243,6 +258,37 @@ def _pack(obj: object) -> bytes:
         raise ValueError(f"a KV event field does not fit a 64-bit integer: {exc}") from None
     assert isinstance(packed, bytes)
     return packed
+
+
+@final
+class BatchEncoder:
+    """Encodes one publisher's batch payloads, byte for byte as :func:`encode_events`.
+
+    The publisher's hot path: the event arrays go to msgspec's msgpack encoder (the
+    one TokenSpeed encodes with; it writes the same bytes as the reference
+    :func:`encode_events`, which uses msgpack, at twice its speed on events with
+    token ids), kept for the encoder's lifetime. A batch msgspec refuses (an
+    ``int`` subclass, say) is written by the reference encoder instead, so
+    whatever :func:`encode_events` writes, this writes too (msgspec also writes a
+    few things the reference refuses, a set as an array for one); what neither can
+    write raises :class:`ValueError` (an integer outside the 64-bit ranges) or
+    :class:`TypeError`. ``dp_rank`` is the attention-DP rank written into every
+    batch. Instances are independent (one per publisher's sender).
+    """
+
+    __slots__ = ("_encode", "dp_rank")
+
+    def __init__(self, dp_rank: int | None) -> None:
+        self.dp_rank = dp_rank
+        self._encode = msgspec.msgpack.Encoder().encode
+
+    def encode(self, ts: float, events: Iterable[KVEvent]) -> bytes:
+        """The payload ``[ts, events, dp_rank]`` of one batch."""
+        batch = (float(ts), _event_arrays(events), self.dp_rank)
+        try:
+            return self._encode(batch)
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+            return _pack(batch)
 
 
 # -- decoding -------------------------------------------------------------------

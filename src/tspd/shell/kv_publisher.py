@@ -7,17 +7,23 @@ buffered batch from ``start_seq`` and the end marker (sequence -1, empty payload
 
 Shape of the machinery:
 
-* ``publish(events)`` encodes the batch in the caller's thread (the engine's
-  scheduler thread, typically) and puts it on a bounded queue, **waiting while the
+* ``publish(events)`` costs the caller's thread (the engine's scheduler thread,
+  typically) a time stamp and one append to a bounded queue -- the event objects
+  are handed over as they are, nothing is encoded there -- **waiting while the
   queue is full**; ``publish_nowait`` drops and counts instead; from Trio code use
-  ``await apublish(events)``. The queue hands batches into Trio with
-  ``TrioToken.run_sync_soon`` -- only when the sender task sleeps, so a busy stream
-  costs one lock round-trip a batch (``tspd bench events`` compares this with
+  ``await apublish(events)``. When the sender task sleeps, the queue's waker
+  thread wakes it with ``TrioToken.run_sync_soon`` (the caller only hands the
+  waker an event, see :class:`BatchQueue`), so a busy stream costs one lock
+  round-trip a batch (``tspd bench events`` compares this with
   ``trio.from_thread.run``).
-* One sender task assigns sequence numbers, sends on the PUB socket (which never
-  blocks: at its high-water mark libzmq drops, which subscribers see as a gap) and
-  appends every batch to the replay buffer -- also one whose send failed (R-ev), so
-  a replay can still fill that gap.
+* One sender task takes up to 256 queued batches at a time, encodes them all
+  (:class:`~tspd.core.kv_events.BatchEncoder`), then assigns sequence numbers and
+  sends them back to back on the PUB socket (which never blocks: at its
+  high-water mark libzmq drops, which subscribers see as a gap), appending every
+  batch to the replay buffer -- also one whose send failed (R-ev), so a replay can
+  still fill that gap. A batch that cannot be encoded (an integer outside the
+  64-bit ranges, a field msgpack cannot write) is dropped, counted and logged
+  there; it takes no sequence number.
 * Replay requests are served from a snapshot of the buffer, one at a time per
   client (up to 8 clients at once), each in its own task. The
   ROUTER's send high-water mark covers the whole buffer, and sends use
@@ -53,7 +59,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Protocol, final
+from queue import SimpleQueue
+from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeVar, final
 
 import trio
 import zmq
@@ -68,7 +75,7 @@ from tspd.core.kv_config import (
     parse_kv_events_config,
     pub_binds,
 )
-from tspd.core.kv_events import KVEvent, encode_events
+from tspd.core.kv_events import BatchEncoder, KVEvent
 from tspd.core.replay import (
     ReplayBuffer,
     ReplayRequest,
@@ -98,6 +105,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_get_ident: Final = threading.get_ident
+_time: Final = time.time
 
 #: How long closing waits for queued batches to go out (TokenSpeed's value).
 SHUTDOWN_TIMEOUT: Final = 1.0
@@ -165,21 +175,31 @@ class EventPublisher(Protocol):
         """The publisher's counters."""
 
 
-Item = tuple[bytes, int]  # (payload, number of events)
+#: One queued batch: the time stamp and the events as ``publish`` got them; the
+#: sender encodes them.
+Item = tuple[float, Sequence[KVEvent]]
+
+T = TypeVar("T")
 
 
 @final
-class BatchQueue:
+class BatchQueue(Generic[T]):
     """A bounded FIFO from any thread into one Trio task (the publisher's hand-off).
 
     Producers in other threads wait on a condition variable while it is full; the
-    Trio consumer sleeps on a :class:`trio.Event` that a producer sets through
-    ``run_sync_soon`` only when the consumer is actually asleep.
+    Trio consumer sleeps on a :class:`trio.Event`, set only when the consumer is
+    actually asleep. A producer that finds room pays one uncontended lock and one
+    append; one that finds the consumer asleep also hands its event to the queue's
+    waker thread, which sets it with ``TrioToken.run_sync_soon``. (Calling that
+    itself would cost the producer a system call that releases the GIL, and the
+    woken Trio thread could take the GIL and run the consumer's whole chunk before
+    the producer got it back: the engine's round would pay for the encoding.)
+    Call :meth:`stop` once the consumer is gone.
     """
 
     def __init__(self, maxsize: int, token: trio.lowlevel.TrioToken) -> None:
         self._maxsize = max(1, maxsize)
-        self._items: deque[Item] = deque()
+        self._items: deque[T] = deque()
         self._lock = threading.Lock()
         self._not_full = threading.Condition(self._lock)
         self._token = token
@@ -187,7 +207,13 @@ class BatchQueue:
         self._consumer: trio.Event | None = None
         self._space: trio.Event | None = None
         self._closed = False
+        self._blocked = 0  # producers waiting on _not_full
         self.dropped = 0
+        self._wakes: SimpleQueue[trio.Event | None] = SimpleQueue()
+        self._waker = threading.Thread(
+            target=self._run_waker, name="tspd-kv-publisher-waker", daemon=True
+        )
+        self._waker.start()
 
     @property
     def trio_thread(self) -> int:
@@ -196,24 +222,40 @@ class BatchQueue:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, item: Item, *, block: bool) -> bool:
+    def put(self, item: T, *, block: bool) -> bool:
         """Append ``item``; ``False`` (and counted as dropped) if closed, or full and
         not blocking. Must not block in the Trio thread."""
         with self._lock:
-            if block:
-                while len(self._items) >= self._maxsize and not self._closed:
-                    self._not_full.wait()
-            if self._closed or len(self._items) >= self._maxsize:
+            if (self._closed or len(self._items) >= self._maxsize) and not (
+                block and self._wait_for_space()
+            ):
                 self.dropped += 1
                 return False
             self._items.append(item)
             wake = self._consumer
+            if wake is None:
+                return True
             self._consumer = None
-        if wake is not None:
-            self._wake(wake)
+        self._wake(wake)
         return True
 
-    async def put_async(self, item: Item) -> bool:
+    def _wait_for_space(self) -> bool:
+        """With the lock held: wait until there is room (``True``) or the queue closed."""
+        self._blocked += 1
+        try:
+            while len(self._items) >= self._maxsize and not self._closed:
+                self._not_full.wait()
+        finally:
+            self._blocked -= 1
+        return not self._closed
+
+    def count_dropped(self, count: int = 1) -> None:
+        """Count batches the consumer dropped after taking them (the publisher's
+        unencodable batches) with the queue's own drops."""
+        with self._lock:
+            self.dropped += count
+
+    async def put_async(self, item: T) -> bool:
         """Append ``item`` from the Trio thread, waiting for space; ``False`` if closed."""
         while True:
             with self._lock:
@@ -235,21 +277,33 @@ class BatchQueue:
         return True
 
     def _wake(self, event: trio.Event) -> None:
-        if threading.get_ident() == self._trio_thread:
+        if _get_ident() == self._trio_thread:
             event.set()
-            return
-        # If the publisher's loop is gone, close() already accounted for the queue.
-        with contextlib.suppress(trio.RunFinishedError):
-            self._token.run_sync_soon(event.set)
+        else:
+            self._wakes.put(event)  # C, and no system call while the GIL is free
 
-    async def get_batch(self, max_items: int) -> list[Item]:
+    def _run_waker(self) -> None:
+        """The waker thread: sets events in Trio for producers in other threads."""
+        get, run_sync_soon = self._wakes.get, self._token.run_sync_soon
+        while (event := get()) is not None:
+            # If the publisher's loop is gone, close() already accounted for the queue.
+            with contextlib.suppress(trio.RunFinishedError):
+                run_sync_soon(event.set)
+
+    async def get_batch(self, max_items: int) -> list[T]:
         """Up to ``max_items`` items, waiting while empty; ``[]`` once closed and empty."""
         while True:
             with self._lock:
-                if self._items:
-                    count = min(max_items, len(self._items))
-                    out = [self._items.popleft() for _ in range(count)]
-                    self._not_full.notify_all()
+                items = self._items
+                if items:
+                    if len(items) <= max_items:
+                        out = list(items)
+                        items.clear()
+                    else:
+                        popleft = items.popleft
+                        out = [popleft() for _ in range(max_items)]
+                    if self._blocked:
+                        self._not_full.notify_all()
                     space, self._space = self._space, None
                     break
                 if self._closed:
@@ -281,6 +335,13 @@ class BatchQueue:
             self._not_full.notify_all()
             return left
 
+    def stop(self, timeout: float = 1.0) -> None:
+        """End the waker thread, once the consumer is gone (after :meth:`close` and
+        the drain or :meth:`abandon`: until then a producer that raced the close may
+        still have a wake-up to deliver). Idempotent."""
+        self._wakes.put(None)
+        self._waker.join(timeout)
+
 
 class _ReplaySend:
     SENT: Final = "sent"
@@ -297,7 +358,7 @@ class KVEventPublisher:
         *,
         topic: bytes,
         dp_rank: int,
-        queue: BatchQueue,
+        queue: BatchQueue[Item],
         buffer: ReplayBuffer,
         pub: TrioSocket,
         router: TrioSocket | None,
@@ -308,6 +369,8 @@ class KVEventPublisher:
         self._topic = topic
         self._dp_rank = dp_rank
         self._queue = queue
+        self._put = queue.put
+        self._trio_thread = queue.trio_thread
         self._buffer = buffer
         self._pub = pub
         self._router = router
@@ -329,6 +392,9 @@ class KVEventPublisher:
         #: Lines about what replay clients send or do, rate-limited per reason (a
         #: client's ROUTER identity is new on every connection).
         self._client_log = RateLimitedLog(log)
+        #: Lines about batches that could not be encoded (an engine bug, possibly
+        #: repeated every round).
+        self._batch_log = RateLimitedLog(log)
 
     # -- the public face ---------------------------------------------------------
 
@@ -353,30 +419,38 @@ class KVEventPublisher:
         For the engine's own threads; in the Trio thread this would deadlock and
         raises :class:`RuntimeError` (use :meth:`apublish` there). Empty rounds
         publish nothing. After close the batch is dropped and counted.
+
+        The caller pays a time stamp (``ts``, wall-clock seconds, unless given) and
+        one queue append: ``events`` is handed over as it is and encoded later by
+        the sender task, so the caller must not change the sequence afterwards (the
+        events themselves are frozen). A batch that then fails to encode is dropped,
+        counted in :attr:`PublisherStats.batches_dropped` and logged.
         """
         if not events:
             return
-        if threading.get_ident() == self._queue.trio_thread:
+        if _get_ident() == self._trio_thread:
             raise RuntimeError(
                 "KVEventPublisher.publish() waits for queue space and would block the Trio "
                 "loop; call `await publisher.apublish(events)` from Trio code"
             )
-        if not self._queue.put(self._encode(events, ts), block=True):
+        if not self._put((_time() if ts is None else ts, events), block=True):
             self._warn_dropped()
 
     def publish_nowait(self, events: Sequence[KVEvent], *, ts: float | None = None) -> bool:
         """Queue one round's events without waiting; ``False`` when dropped (queue full
-        or publisher closed), and counted in :attr:`PublisherStats.batches_dropped`."""
+        or publisher closed), and counted in :attr:`PublisherStats.batches_dropped`.
+        Hands ``events`` over as :meth:`publish` does."""
         if not events:
             return True
-        return self._queue.put(self._encode(events, ts), block=False)
+        return self._put((_time() if ts is None else ts, events), block=False)
 
     async def apublish(self, events: Sequence[KVEvent], *, ts: float | None = None) -> None:
-        """Queue one round's events from Trio code, waiting while the queue is full."""
+        """Queue one round's events from Trio code, waiting while the queue is full.
+        Hands ``events`` over as :meth:`publish` does."""
         if not events:
             await trio.lowlevel.checkpoint()
             return
-        if not await self._queue.put_async(self._encode(events, ts)):
+        if not await self._queue.put_async((_time() if ts is None else ts, events)):
             self._warn_dropped()
 
     async def wait_published(self, count: int) -> None:
@@ -402,10 +476,6 @@ class KVEventPublisher:
 
     # -- internals ---------------------------------------------------------------
 
-    def _encode(self, events: Sequence[KVEvent], ts: float | None) -> Item:
-        stamp = time.time() if ts is None else ts
-        return encode_events(stamp, events, self._dp_rank), len(events)
-
     def _warn_dropped(self) -> None:
         if not self._warned_closed:
             self._warned_closed = True
@@ -416,39 +486,73 @@ class KVEventPublisher:
             )
 
     async def _run_sender(self) -> None:
-        topic, pub, buffer = self._topic, self._pub, self._buffer
+        topic, pub, buffer, queue = self._topic, self._pub, self._buffer, self._queue
+        encode = BatchEncoder(self._dp_rank).encode
+        send = pub.send_multipart_nowait
+        keep = buffer.append
         while True:
-            items = await self._queue.get_batch(_SEND_BATCH)
+            items = await queue.get_batch(_SEND_BATCH)
             if not items:
                 break
-            for payload, count in items:
-                seq = self._next_seq
-                self._next_seq = seq + 1
+            # Encode the whole chunk first, then send it back to back: libzmq's I/O
+            # thread then takes the messages in a few wake-ups and large writes
+            # instead of one each.
+            payloads: list[bytes] = []
+            events = 0
+            for ts, batch in items:
                 try:
-                    sent = pub.send_multipart_nowait([topic, seq.to_bytes(8, "big"), payload])
+                    count = len(batch)
+                    payloads.append(encode(ts, batch))
+                except Exception as exc:  # whatever the caller's objects raise
+                    self._unencodable(exc)
+                else:
+                    events += count
+            seq = self._next_seq
+            for payload in payloads:
+                try:
+                    sent = send([topic, seq.to_bytes(8, "big"), payload])
                 except zmq.ZMQError as exc:
                     sent = False
                     error = str(exc)
                 else:
                     error = "the PUB socket refused the message"
                 if not sent:
-                    self._send_failures += 1
-                    if self._send_failures == 1 or self._send_failures % 1000 == 0:
-                        log.warning(
-                            "publishing KV event batch %d on %s failed (%s); it stays in the "
-                            "replay buffer (%d failures so far)",
-                            seq,
-                            self._endpoint,
-                            error,
-                            self._send_failures,
-                        )
-                buffer.append(seq, payload)
-                self._batches += 1
-                self._events += count
+                    self._send_failed(seq, error)
+                keep(seq, payload)
+                seq += 1
+            # The counters move once a chunk (other threads read them a chunk late).
+            self._next_seq = seq
+            self._batches += len(payloads)
+            self._events += events
             self._progress.set()
             self._progress = trio.Event()
             await trio.lowlevel.checkpoint()
         self._drained.set()
+
+    def _send_failed(self, seq: int, error: str) -> None:
+        self._send_failures += 1
+        if self._send_failures == 1 or self._send_failures % 1000 == 0:
+            log.warning(
+                "publishing KV event batch %d on %s failed (%s); it stays in the "
+                "replay buffer (%d failures so far)",
+                seq,
+                self._endpoint,
+                error,
+                self._send_failures,
+            )
+
+    def _unencodable(self, exc: Exception) -> None:
+        """A batch the sender could not encode: dropped (no sequence number), counted."""
+        self._queue.count_dropped()
+        self._batch_log.error(
+            "*",
+            "unencodable-batch",
+            "KV event publisher for DP rank %d: dropping a batch that cannot be encoded "
+            "(%s: %s); counted in statistics().batches_dropped",
+            self._dp_rank,
+            type(exc).__name__,
+            exc,
+        )
 
     async def _run_replay(self, router: TrioSocket) -> None:
         """Receive requests; serve each in its own task, one at a time per client.
@@ -684,7 +788,7 @@ async def open_kv_publisher(
             if guard is not None:
                 guard.close()
             raise
-    queue = BatchQueue(config.max_queue_size, trio.lowlevel.current_trio_token())
+    queue = BatchQueue[Item](config.max_queue_size, trio.lowlevel.current_trio_token())
     publisher = KVEventPublisher(
         topic=config.topic.encode(),
         dp_rank=dp_rank,
@@ -713,6 +817,7 @@ async def open_kv_publisher(
                 finally:
                     await publisher._shutdown(nursery, close_timeout)
     finally:
+        queue.stop()
         pub.close()
         if router is not None:
             router.close()

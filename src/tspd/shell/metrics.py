@@ -355,7 +355,8 @@ class _ScrapeCollector:
                 (
                     "batches_dropped",
                     "tspd_kv_batches_dropped",
-                    "KV event batches dropped (queue full, or published after close).",
+                    "KV event batches dropped (queue full, published after close, or not "
+                    "encodable).",
                 ),
                 ("send_failures", "tspd_kv_send_failures", "KV event batches the PUB failed."),
                 (
