@@ -24,3 +24,19 @@ def test_bench_pd_quick_reports_every_figure_with_its_limit() -> None:
         assert value["raw"]
     assert "rooms/s, 1 × 4 KiB page, 64 in flight" in figures
     assert figures["64 MiB room, 16,384 × 4 KiB pages, contiguous"]["tspd"].endswith("GB/s")
+
+
+def test_bench_pd_large_only_prints_the_64_mib_rows_beside_both_raw_limits() -> None:
+    result = CliRunner().invoke(
+        main, ["bench", "pd", "--quick", "--large-only", "--large-rooms", "1", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.output[result.output.index("{") :])
+    assert sorted(figures) == [
+        "64 MiB room, 16,384 × 4 KiB pages, contiguous",
+        "64 MiB room, 16,384 × 4 KiB pages, scattered",
+    ]
+    for name, value in figures.items():
+        assert "FAILED" not in value["tspd"], (name, value)
+        assert " sync / " in value["raw"], (name, value)
+        assert " GB/s pipelined" in value["raw"], (name, value)

@@ -24,8 +24,10 @@ import trio
 
 pytest.importorskip("mooncake.engine")
 
+from tspd.core.copies import CopyPlan
 from tspd.engines.base import (
     EngineUnavailable,
+    PipelinedEngine,
     PollingEngine,
     TransferEngine,
     TransferError,
@@ -33,8 +35,10 @@ from tspd.engines.base import (
 )
 from tspd.engines.mooncake import (
     DEFAULT_MAX_DESCRIPTORS,
+    DEFAULT_QUEUED_TRANSFERS_PER_PEER,
     INIT_FAILED,
     MooncakeEngine,
+    queued_transfers_per_peer,
     transfer_timeout,
 )
 from tspd.shell.offload import EngineRunner
@@ -393,3 +397,123 @@ async def test_runner_polled_write_to_a_hung_peer_fails_after_the_timeout(
     await runner.batch_write(peer.session, [local.addr + PAGE], [peer.addr + PAGE], [PAGE])
     assert runner.thread_writes == 2
     assert peer.digest(PAGE, PAGE) == sha(local.arena[PAGE : 2 * PAGE])
+
+
+# -- pipelined batches ---------------------------------------------------------------
+
+
+def test_engine_is_a_pipelined_engine_bounded_by_the_tcp_queue(local: Local) -> None:
+    assert isinstance(local.engine, PipelinedEngine)
+    assert local.engine.max_in_flight_descriptors == queued_transfers_per_peer()
+    assert queued_transfers_per_peer({}) == DEFAULT_QUEUED_TRANSFERS_PER_PEER == 1024
+    assert queued_transfers_per_peer({"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": " 4096 "}) == 4096
+    for bad in ("0", "-5", "lots", ""):
+        assert queued_transfers_per_peer({"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": bad}) == 1024
+
+
+def test_submitted_batches_land_byte_for_byte(local: Local, peer: Peer) -> None:
+    count = 1000
+    offsets = np.arange(count, dtype=np.int64) * PAGE
+    scattered = local.engine.submit_batch(
+        peer.session,
+        local.addr + offsets,
+        peer.addr + (4 << 20) + offsets[::-1],
+        np.full(count, PAGE, dtype=np.int64),
+    )
+    one = local.engine.submit_batch(peer.session, [local.addr + (9 << 20)], [peer.addr], [PAGE])
+    # A zero-length copy is skipped, as the polled writes skip it.
+    with_empty = local.engine.submit_batch(
+        peer.session,
+        [local.addr + (10 << 20), local.addr, local.addr + (11 << 20)],
+        [peer.addr + (1 << 20), peer.addr + (2 << 20), peer.addr + (3 << 20)],
+        [PAGE, 0, PAGE],
+    )
+    assert (scattered.descriptors, scattered.length) == (count, count * PAGE)
+    assert (with_empty.descriptors, with_empty.length) == (2, 2 * PAGE)
+    for ticket in (scattered, one, with_empty):
+        local.engine.wait_batch(ticket)
+    expected = local.arena[: count * PAGE].reshape(count, PAGE)[::-1].reshape(-1)
+    assert peer.digest(4 << 20, count * PAGE) == sha(expected)
+    assert peer.digest(0, PAGE) == sha(local.arena[9 << 20 : (9 << 20) + PAGE])
+    assert peer.digest(1 << 20, PAGE) == sha(local.arena[10 << 20 : (10 << 20) + PAGE])
+    assert peer.digest(3 << 20, PAGE) == sha(local.arena[11 << 20 : (11 << 20) + PAGE])
+
+
+@pytest.mark.parametrize("bad", [1, 2], ids=["inside-the-batch", "the-last-copy"])
+def test_a_batch_outside_the_peer_fails_at_the_wait(local: Local, peer: Peer, bad: int) -> None:
+    dsts = [peer.addr, peer.addr + PAGE, peer.addr + 2 * PAGE]
+    dsts[bad] = peer.addr + ARENA - 100
+    ticket = local.engine.submit_batch(peer.session, [local.addr] * 3, dsts, [PAGE] * 3)
+    with pytest.raises(TransferError) as err:
+        local.engine.wait_batch(ticket)
+    assert err.value.peer == peer.session
+    assert err.value.code < 0
+    local.engine.wait_batch(local.engine.submit_batch(peer.session, [local.addr], [peer.addr], [1]))
+
+
+def test_batches_to_a_dead_peer_fail_fast(local: Local, dying_peer: Peer) -> None:
+    peer = dying_peer
+    local.engine.wait_batch(local.engine.submit_batch(peer.session, [local.addr], [peer.addr], [1]))
+    peer.stop()
+    started = time.monotonic()
+    with pytest.raises(TransferError) as err:
+        local.engine.wait_batch(
+            local.engine.submit_batch(
+                peer.session, [local.addr, local.addr], [peer.addr, peer.addr + PAGE], [PAGE] * 2
+            )
+        )
+    assert time.monotonic() - started < 5  # refused or failed, not timed out
+    assert err.value.peer == peer.session
+    assert err.value.code < 0
+    closed = MooncakeEngine("127.0.0.1")
+    closed.close()
+    with pytest.raises(TransferError, match="closed"):
+        closed.submit_batch(peer.session, [local.addr], [peer.addr], [1])
+
+
+async def test_runner_pipelines_a_large_scattered_write(local: Local, peer: Peer) -> None:
+    """5,000 scattered 4 KiB copies — more than Mooncake TCP takes to a peer at once —
+    in batches of 512, two in flight; the first batch opens the peer through a thread."""
+    count = 5000
+    offsets = np.arange(count, dtype=np.int64) * PAGE
+    order = np.random.default_rng(11).permutation(count).astype(np.int64)
+    plan = CopyPlan(local.addr + offsets, peer.addr + order * PAGE, np.full(count, PAGE))
+    runner = EngineRunner(local.engine)
+    calls: list[int] = []
+    assert await runner.write_plan(peer.session, plan, on_batch=lambda n, _: calls.append(n))
+    assert (runner.thread_writes, runner.pipelined_writes) == (1, 1)
+    assert runner.peak_batches_in_flight == 2
+    assert sum(calls) == count
+    assert max(calls) == local.engine.max_in_flight_descriptors // 2
+    expected = np.empty((count, PAGE), dtype=np.uint8)
+    expected[order] = local.arena[: count * PAGE].reshape(count, PAGE)
+    assert peer.digest(0, count * PAGE) == sha(expected.reshape(-1))
+    assert runner.in_flight == 0
+
+
+@pytest.mark.slow
+async def test_runner_pipelined_write_to_a_hung_peer_fails_after_the_timeout(
+    local: Local, dying_peer: Peer
+) -> None:
+    """A stopped peer: the pipelined write's batches are waited for, through a cancel,
+    until MC_TRANSFER_TIMEOUT (5 s in the test configuration) fails them."""
+    peer = dying_peer
+    assert transfer_timeout() == 5.0
+    runner = EngineRunner(local.engine)
+    await runner.batch_write(peer.session, [local.addr], [peer.addr], [PAGE])
+    count = 2048
+    offsets = np.arange(count, dtype=np.int64) * 256
+    plan = CopyPlan(local.addr + offsets, peer.addr + offsets, np.full(count, 256))
+    stop_process(peer.proc.pid)
+    try:
+        started = trio.current_time()
+        with trio.move_on_after(0.1) as scope, pytest.raises(TransferError) as err:
+            await runner.write_plan(peer.session, plan)
+        elapsed = trio.current_time() - started
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    assert runner.pipelined_writes == 1
+    assert not scope.cancelled_caught, "the outcome of the write is what the caller gets"
+    assert err.value.peer == peer.session
+    assert elapsed >= 5.0
+    assert runner.in_flight == 0

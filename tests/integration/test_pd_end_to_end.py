@@ -97,6 +97,36 @@ async def test_demo_moves_verified_bytes(
         assert all(stats[k] == 0 for k in keys), (name, stats)
 
 
+@pytest.mark.parametrize("scatter", [True, False], ids=["scattered", "contiguous"])
+async def test_large_rooms_of_thousands_of_pages_move_verified_bytes(scatter: bool) -> None:
+    """Rooms of 2,600 pages: scattered, 10,400 copies each — five times what Mooncake's
+    TCP transport takes to one peer at once — so the Prefill pipelines its batches
+    (the first room's first batch opens the peer through a thread); contiguous, a
+    few large copies. Every byte is verified on the Decode side."""
+    pages, rooms = 2600, 3
+    options = DemoOptions(
+        workload=_workload(
+            range(5200, 5200 + rooms), num_pages=pages + 64, fixed_prompt_pages=pages, head_dim=16
+        ),
+        prefill_tp=1,
+        decode_tp=1,
+        in_flight=1,
+        scatter=scatter,
+        timeout=120,
+    )
+    summary = await run_demo(options)
+    assert summary.errors == []
+    assert summary.reasons == {}
+    assert (summary.succeeded, summary.failed) == (rooms, 0)
+    # 2 layers of K and V, 4 heads × 16 tokens × 16 dims of bfloat16 a page.
+    assert summary.bytes_verified == rooms * pages * 4 * (4 * 16 * 16 * 2)
+    if scatter:
+        prefill = summary.stats["prefill-0"]
+        assert prefill["descriptors"] > rooms * 2048
+        # Engine calls of at most 512 copies: half the TCP queue, two in flight.
+        assert prefill["engine_calls"] >= prefill["descriptors"] / 512
+
+
 async def test_demo_reports_every_room_failed_when_the_bytes_differ() -> None:
     """A Decode that expects another seed's pattern sees wrong bytes and a wrong
     token in every room: the demo says both, room by room, counts the rooms under

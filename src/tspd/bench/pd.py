@@ -13,7 +13,12 @@ same run, straight through Mooncake and pyzmq with no tspd code in between:
   bare write and round trip;
 * **effective GB/s for a 64 MiB room** of 16,384 × 4 KiB pages, allocated
   contiguously and scattered (bytes / hand-over → completion); beside them, one
-  64 MiB write and the same bytes as 16,384 separate descriptors.
+  64 MiB write and the same bytes as 16,384 separate descriptors, each timed two
+  ways (:mod:`tspd.bench.raw`): in Mooncake's sync calls (1,024 descriptors a
+  call, one after another, each busy-spinning its thread) and pipelined as tspd
+  writes (batches submitted without waiting, two in flight, waited for without
+  spinning). On a 2-core host the spinning sync calls are the slower, so the
+  pipelined figure is the tighter limit.
 
 With ``--secure`` the rooms/s and hand-over runs are repeated in tspd's secure mode
 (CURVE on every socket, the bootstrap server over TLS with a token;
@@ -58,15 +63,18 @@ _HOLD = ("--hold-reports",)
 class PdFigures:
     """Everything ``tspd bench pd`` measured."""
 
-    throughput: DemoSummary
-    latency: DemoSummary
+    throughput: DemoSummary | None
+    latency: DemoSummary | None
     contiguous: DemoSummary
     scattered: DemoSummary
     in_flight: int
-    small_write: MooncakeLimit
+    small_write: MooncakeLimit | None
     big_write: MooncakeLimit
     big_scattered_write: MooncakeLimit
-    zmq: ZmqLimit
+    zmq: ZmqLimit | None
+    #: The same two writes pipelined (see the module docstring), else ``None``.
+    big_write_pipelined: MooncakeLimit | None = None
+    big_scattered_pipelined: MooncakeLimit | None = None
     #: The rooms/s and hand-over runs in secure mode (``--secure``), else ``None``.
     secure_throughput: DemoSummary | None = None
     secure_latency: DemoSummary | None = None
@@ -99,26 +107,41 @@ async def _demo(
     return summary
 
 
-async def run_pd_bench(*, quick: bool = False, secure: bool = False) -> PdFigures:
+async def run_pd_bench(
+    *,
+    quick: bool = False,
+    secure: bool = False,
+    large_only: bool = False,
+    large_rooms: int | None = None,
+) -> PdFigures:
     """Run every measurement (``quick``: far fewer rooms, for smoke tests; ``secure``:
-    the rooms/s and hand-over runs in secure mode too)."""
+    the rooms/s and hand-over runs in secure mode too; ``large_only``: only the
+    64 MiB rows and their raw limits; ``large_rooms``: 64 MiB rooms per layout,
+    default 3, 1 with ``quick``)."""
     small_rooms = 300 if quick else 4000
     latency_rooms = 40 if quick else 400
-    big_rooms = 1 if quick else 3
+    big_rooms = large_rooms if large_rooms is not None else (1 if quick else 3)
+    if big_rooms < 1:
+        raise ValueError(f"large_rooms must be at least 1, got {big_rooms}")
     in_flight = 64 if quick else 256
+    throughput = latency = secure_throughput = secure_latency = None
     with tempfile.TemporaryDirectory(prefix="tspd-bench-pd-") as directory:
         small = _contract_file(directory, in_flight + 8)
         big = _contract_file(directory, BIG_PAGES + 8)
-        throughput = await _demo(
-            Workload(rooms=range(1, 1 + small_rooms), contract_file=small, fixed_prompt_pages=1),
-            in_flight=in_flight,
-        )
-        latency = await _demo(
-            Workload(rooms=range(1, 1 + latency_rooms), contract_file=small, fixed_prompt_pages=1),
-            in_flight=1,
-        )
-        secure_throughput = secure_latency = None
-        if secure:
+        if not large_only:
+            throughput = await _demo(
+                Workload(
+                    rooms=range(1, 1 + small_rooms), contract_file=small, fixed_prompt_pages=1
+                ),
+                in_flight=in_flight,
+            )
+            latency = await _demo(
+                Workload(
+                    rooms=range(1, 1 + latency_rooms), contract_file=small, fixed_prompt_pages=1
+                ),
+                in_flight=1,
+            )
+        if secure and not large_only:
             secure_throughput = await _demo(
                 Workload(
                     rooms=range(1, 1 + small_rooms), contract_file=small, fixed_prompt_pages=1
@@ -146,16 +169,29 @@ async def run_pd_bench(*, quick: bool = False, secure: bool = False) -> PdFigure
             in_flight=1,
             scatter=True,
         )
-    small_write = await trio.to_thread.run_sync(
-        lambda: measure_mooncake(PAGE, repeats=200 if quick else 2000)
-    )
+    small_write = zmq_rtt = None
+    if not large_only:
+        small_write = await trio.to_thread.run_sync(
+            lambda: measure_mooncake(PAGE, repeats=200 if quick else 2000)
+        )
     big_write = await trio.to_thread.run_sync(
         lambda: measure_mooncake(BIG_PAGES * PAGE, repeats=3 if quick else 9)
     )
     big_scattered_write = await trio.to_thread.run_sync(
         lambda: measure_mooncake(BIG_PAGES * PAGE, descriptors=BIG_PAGES, repeats=2 if quick else 5)
     )
-    zmq_rtt = await trio.to_thread.run_sync(lambda: measure_zmq_rtt(repeats=300 if quick else 3000))
+    big_write_pipelined = await trio.to_thread.run_sync(
+        lambda: measure_mooncake(BIG_PAGES * PAGE, repeats=3 if quick else 9, mode="pipelined")
+    )
+    big_scattered_pipelined = await trio.to_thread.run_sync(
+        lambda: measure_mooncake(
+            BIG_PAGES * PAGE, descriptors=BIG_PAGES, repeats=2 if quick else 5, mode="pipelined"
+        )
+    )
+    if not large_only:
+        zmq_rtt = await trio.to_thread.run_sync(
+            lambda: measure_zmq_rtt(repeats=300 if quick else 3000)
+        )
     return PdFigures(
         throughput=throughput,
         latency=latency,
@@ -165,6 +201,8 @@ async def run_pd_bench(*, quick: bool = False, secure: bool = False) -> PdFigure
         small_write=small_write,
         big_write=big_write,
         big_scattered_write=big_scattered_write,
+        big_write_pipelined=big_write_pipelined,
+        big_scattered_pipelined=big_scattered_pipelined,
         zmq=zmq_rtt,
         secure_throughput=secure_throughput,
         secure_latency=secure_latency,
@@ -190,6 +228,13 @@ def _ok(summary: DemoSummary) -> str:
 def rows(figures: PdFigures) -> list[tuple[str, str, str]]:
     """``(figure, tspd, raw limit)`` rows of the report."""
     f = figures
+    return [*_small_rows(f), *_large_rows(f)]
+
+
+def _small_rows(f: PdFigures) -> list[tuple[str, str, str]]:
+    """The rooms/s, CPU and hand-over rows (absent with ``--large-only``)."""
+    if f.throughput is None or f.latency is None or f.small_write is None or f.zmq is None:
+        return []
     rtt = f"ZMQ round trip p50 {_us(f.zmq.p50)}"
     write = f"bare 4 KiB write p50 {_us(f.small_write.p50)} / p99 {_us(f.small_write.p99)}"
     return [
@@ -211,18 +256,30 @@ def rows(figures: PdFigures) -> list[tuple[str, str, str]]:
             f"{_us(percentile(f.latency.handover_latencies, 0.99))}{_ok(f.latency)}",
             f"{write}; ZMQ round trip p50 {_us(f.zmq.p50)} / p99 {_us(f.zmq.p99)}",
         ),
+    ]
+
+
+def _large_rows(f: PdFigures) -> list[tuple[str, str, str]]:
+    """The 64 MiB rows."""
+    return [
         (
             "64 MiB room, 16,384 × 4 KiB pages, contiguous",
             f"{_room_gbps(f.contiguous):.3f} GB/s{_ok(f.contiguous)}",
-            f"one 64 MiB write {f.big_write.gbps:.3f} GB/s",
+            f"one 64 MiB write {f.big_write.gbps:.3f} GB/s{_pipelined(f.big_write_pipelined)}",
         ),
         (
             "64 MiB room, 16,384 × 4 KiB pages, scattered",
             f"{_room_gbps(f.scattered):.3f} GB/s{_ok(f.scattered)}",
-            f"16,384 × 4 KiB descriptors {f.big_scattered_write.gbps:.3f} GB/s; "
+            f"16,384 × 4 KiB descriptors {f.big_scattered_write.gbps:.3f} GB/s"
+            f"{_pipelined(f.big_scattered_pipelined)}; "
             f"one 64 MiB write {f.big_write.gbps:.3f} GB/s",
         ),
     ]
+
+
+def _pipelined(limit: MooncakeLimit | None) -> str:
+    """The pipelined limit after a sync one: `` sync / 2.301 GB/s pipelined``."""
+    return "" if limit is None else f" sync / {limit.gbps:.3f} GB/s pipelined"
 
 
 def _change(secure: float, plain: float) -> str:
@@ -233,7 +290,12 @@ def _change(secure: float, plain: float) -> str:
 
 def _secure_rows(f: PdFigures) -> list[tuple[str, str, str]]:
     """The secure-mode rows (first, when measured): secure figure, plain beside it."""
-    if f.secure_throughput is None or f.secure_latency is None:
+    if (
+        f.secure_throughput is None
+        or f.secure_latency is None
+        or f.throughput is None
+        or f.latency is None
+    ):
         return []
     plain_rate, secure_rate = f.throughput.rooms_per_s, f.secure_throughput.rooms_per_s
     plain_p50 = percentile(f.latency.handover_latencies, 0.5)
@@ -263,10 +325,29 @@ def _secure_rows(f: PdFigures) -> list[tuple[str, str, str]]:
     help="Also run rooms/s and hand-over latency in secure mode (CURVE, TLS, token), "
     "beside plain mode.",
 )
-def pd(quick: bool, as_json: bool, secure: bool) -> None:
+@click.option(
+    "--large-only",
+    is_flag=True,
+    help="Only the 64 MiB rows (contiguous and scattered) and their raw limits.",
+)
+@click.option(
+    "--large-rooms",
+    type=click.IntRange(min=1),
+    default=None,
+    help="64 MiB rooms per layout (default 3, 1 with --quick); the row is their median.",
+)
+def pd(quick: bool, as_json: bool, secure: bool, large_only: bool, large_rooms: int | None) -> None:
     """PD rooms/s, latency and GB/s on real processes, beside bare Mooncake and ZMQ."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    figures = trio.run(partial(run_pd_bench, quick=quick, secure=secure))
+    figures = trio.run(
+        partial(
+            run_pd_bench,
+            quick=quick,
+            secure=secure,
+            large_only=large_only,
+            large_rooms=large_rooms,
+        )
+    )
     table_rows = rows(figures)
     if as_json:
         out: dict[str, Any] = {name: {"tspd": value, "raw": raw} for name, value, raw in table_rows}

@@ -15,7 +15,13 @@ It also offers the non-blocking pair of :class:`tspd.engines.base.PollingEngine`
 :meth:`FakeEngine.submit_write` starts a write and :meth:`FakeEngine.check_write`
 completes it — copying, or raising the write's error — at the first check once
 its latency (or injected stall) has passed on the engine's ``clock``; with no
-latency the first check completes it.
+latency the first check completes it. And it offers the batch pair of
+:class:`tspd.engines.base.PipelinedEngine`: :meth:`FakeEngine.submit_batch` records a
+batch (one fault per batch, like one write) and :meth:`FakeEngine.wait_batch`
+sleeps what is left of its latency, then copies it or raises its error. The
+counters record how many batches, and descriptors per peer, were in flight at once
+(:class:`FakeEngineStats`), so tests can see a writer keep several batches in
+flight without timing anything.
 
 :class:`AsyncFakeEngine` wraps a :class:`FakeEngine` with an ``async batch_write``
 whose latency and hangs are ``trio.sleep`` calls, so tests under
@@ -44,7 +50,13 @@ from typing import Final, final
 
 import trio
 
-from tspd.engines.base import AddressList, TransferError, WriteTicket, as_address_list
+from tspd.engines.base import (
+    AddressList,
+    BatchTicket,
+    TransferError,
+    WriteTicket,
+    as_address_list,
+)
 
 __all__ = [
     "DEFAULT_FABRIC",
@@ -58,6 +70,9 @@ _FAILED = -1
 _UNKNOWN_REGION = -3
 _OVERLAP = -7
 
+#: :attr:`FakeEngine.max_in_flight_descriptors` unless given (Mooncake's TCP default).
+DEFAULT_IN_FLIGHT_DESCRIPTORS = 1024
+
 
 @dataclass(slots=True)
 class FakeEngineStats:
@@ -68,6 +83,12 @@ class FakeEngineStats:
     bytes_written: int = 0
     failures: int = 0
     writes_by_peer: dict[str, int] = field(default_factory=dict)
+    #: Batches started with :meth:`FakeEngine.submit_batch`.
+    batch_submits: int = 0
+    #: Most submitted batches not yet waited for, at any moment.
+    peak_batches_in_flight: int = 0
+    #: Most descriptors of submitted batches to one peer not yet waited for.
+    peak_descriptors_in_flight: int = 0
 
 
 @dataclass(slots=True)
@@ -87,6 +108,17 @@ class _Submitted:
     ready_at: float
     src: int
     dst: int
+    fault: tuple[float, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class _SubmittedBatch:
+    """A batch started with :meth:`FakeEngine.submit_batch`."""
+
+    ready_at: float
+    src: list[int]
+    dst: list[int]
+    lengths: list[int]
     fault: tuple[float, int] | None
 
 
@@ -149,7 +181,12 @@ class FakeEngine:
         latency: float = 0.0,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        max_in_flight_descriptors: int = DEFAULT_IN_FLIGHT_DESCRIPTORS,
     ) -> None:
+        if max_in_flight_descriptors < 1:
+            raise ValueError(
+                f"max_in_flight_descriptors must be at least 1, got {max_in_flight_descriptors}"
+            )
         self._fabric = DEFAULT_FABRIC if fabric is None else fabric
         self._lock = threading.Lock()
         self._regions: dict[int, int] = {}
@@ -157,6 +194,9 @@ class FakeEngine:
         self._sleep = sleep
         self._clock = clock
         self._submitted: dict[int, _Submitted] = {}
+        self._batches: dict[int, _SubmittedBatch] = {}
+        self._batch_load: dict[str, int] = {}
+        self._max_in_flight = max_in_flight_descriptors
         self._tokens = itertools.count(1)
         self.latency = latency
         self.stats = FakeEngineStats()
@@ -291,6 +331,78 @@ class FakeEngine:
         """Writes submitted and not yet completed by a check."""
         with self._lock:
             return len(self._submitted)
+
+    @property
+    def max_in_flight_descriptors(self) -> int:
+        """The per-peer in-flight bound a writer should keep to (the constructor's)."""
+        return self._max_in_flight
+
+    def submit_batch(
+        self, peer_session: str, src: AddressList, dst: AddressList, lengths: AddressList
+    ) -> BatchTicket:
+        """Record a batch (one pending fault applies to the whole batch); columns that
+        are not integers or differ in length are refused at once, everything else is
+        checked when :meth:`wait_batch` copies."""
+        if self._closed:
+            raise TransferError(peer_session, _FAILED, f"engine {self._session_id} is closed")
+        try:
+            srcs = as_address_list(src, what="src")
+            dsts = as_address_list(dst, what="dst")
+            lens = as_address_list(lengths, what="lengths")
+        except TypeError as exc:
+            raise TransferError(peer_session, _FAILED, str(exc)) from None
+        if not len(srcs) == len(dsts) == len(lens):
+            raise TransferError(
+                peer_session,
+                _FAILED,
+                f"batch columns differ in length: {len(srcs)} src, {len(dsts)} dst, "
+                f"{len(lens)} lengths",
+            )
+        fault = self._take_fault(peer_session)
+        stall = self.latency if fault is None else max(fault[0], self.latency)
+        now = self._clock()
+        with self._lock:
+            token = next(self._tokens)
+            self._batches[token] = _SubmittedBatch(now + stall, srcs, dsts, lens, fault)
+            load = self._batch_load.get(peer_session, 0) + len(lens)
+            self._batch_load[peer_session] = load
+            stats = self.stats
+            stats.batch_submits += 1
+            stats.peak_batches_in_flight = max(stats.peak_batches_in_flight, len(self._batches))
+            stats.peak_descriptors_in_flight = max(stats.peak_descriptors_in_flight, load)
+        return BatchTicket(peer_session, len(lens), sum(lens), now, token)
+
+    def wait_batch(self, ticket: BatchTicket) -> None:
+        """Sleep what is left of the batch's latency (or stall), then copy it or raise
+        its :class:`TransferError`. A ticket this engine does not hold raises."""
+        token = ticket.handle
+        with self._lock:
+            pending = self._batches.get(token) if isinstance(token, int) else None
+        if pending is None or not isinstance(token, int):
+            raise TransferError(
+                ticket.peer_session, _FAILED, f"no batch in flight with token {ticket.handle}"
+            )
+        try:
+            left = pending.ready_at - self._clock()
+            if left > 0:
+                self._sleep(left)
+            self._write_now(
+                ticket.peer_session, pending.src, pending.dst, pending.lengths, pending.fault
+            )
+        finally:
+            with self._lock:
+                del self._batches[token]
+                load = self._batch_load[ticket.peer_session] - len(pending.lengths)
+                if load:
+                    self._batch_load[ticket.peer_session] = load
+                else:
+                    del self._batch_load[ticket.peer_session]
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Batches submitted and not yet waited for."""
+        with self._lock:
+            return len(self._batches)
 
     def _write_now(
         self,

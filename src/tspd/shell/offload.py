@@ -4,8 +4,25 @@
 into an :class:`~tspd.engines.base.AsyncTransferEngine`, under a per-engine
 ``trio.CapacityLimiter`` that bounds concurrent writes (Mooncake's sync calls
 busy-spin a core each; on a small host one or two concurrent writes is the useful
-limit). A ``batch_write`` takes one of two ways:
+limit). A write takes one of three ways:
 
+* **pipelined** — when the engine is a :class:`~tspd.engines.base.PipelinedEngine`,
+  the write has at least ``pipeline_min_descriptors`` copies and a write to that
+  peer already succeeded: the copies go out in batches of at most
+  ``max_descriptors`` and half the engine's per-peer in-flight bound
+  (:attr:`~tspd.engines.base.PipelinedEngine.max_in_flight_descriptors`), each
+  submitted in one engine call on the Trio thread and waited for in a worker
+  thread, with up to that bound in flight to the peer (two batches by default,
+  whatever other writes to it hold) — so the engine always has the next batch
+  queued when one finishes, and no Python runs per copy. :meth:`EngineRunner.write_plan`
+  checks the caller's ``active()`` before every submission (write fencing). The
+  limiter is held only while a batch is submitted: a long pipelined write never
+  holds up another write for more than that. Measured on the 2-core host with
+  Mooncake over loopback TCP (other load present, medians of 4-7 interleaved
+  writes), 16,384 scattered 4 KiB copies: 0.69 s pipelined against 1.02 s polled
+  one copy at a time in 16 calls of 1,024 and 1.33 s through Mooncake's
+  busy-spinning sync calls; under heavier load 0.72 s against 0.77 and 1.16 s
+  (what is left is Mooncake's own cost of ~30-45 µs a 4 KiB copy there);
 * **polled on the Trio thread** — when the engine is a
   :class:`~tspd.engines.base.PollingEngine`, the batch has at most
   ``poll_max_descriptors`` copies and a write to that peer already succeeded: one
@@ -21,7 +38,8 @@ limit). A ``batch_write`` takes one of two ways:
   batches (one engine call for all their descriptors), engines without the
   polling pair, and the first write to a peer (opening a peer's connection can
   block for a handshake, or much longer for a peer that does not answer, and that
-  must not stall the Trio loop). A failed write sends its peer back to this way.
+  must not stall the Trio loop; a pipelined write sends its first batch this way,
+  then pipelines the rest). A failed write sends its peer back to this way.
 
 Cancellation: a write is **never abandoned**. The engine is reading this rank's
 registered memory and writing the peer's; if the caller moved on, the memory could
@@ -32,7 +50,11 @@ done or failed — which it does within ``MC_TRANSFER_TIMEOUT`` for Mooncake. A
 cancelled caller therefore waits for the write to finish and gets its outcome: a
 ``TransferError`` if it failed, otherwise the cancellation is delivered at the
 caller's next checkpoint. A cancel that arrives while waiting for the limiter
-cancels the write before it starts.
+cancels the write before it starts. A pipelined write submits nothing more once
+cancelled, waits (shielded) for every batch it submitted, and then raises the
+first batch's ``TransferError`` if one failed, else the cancellation. A failed
+batch likewise stops submission: the batches in flight are waited for, then the
+error is raised.
 
 The runner's setup calls (``register_memory``, ``unregister_memory``, ``close``)
 call the engine's in the calling thread and report its ``blocking_setup``; from
@@ -53,6 +75,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final, final
@@ -60,9 +83,12 @@ from typing import Final, final
 import trio
 
 from tspd.core.config import parse_pd_env
+from tspd.core.copies import DEFAULT_MAX_DESCRIPTORS, CopyPlan, batches
 from tspd.core.schedule import step_ready
 from tspd.engines.base import (
     AddressList,
+    BatchTicket,
+    PipelinedEngine,
     PollingEngine,
     TransferEngine,
     TransferError,
@@ -72,6 +98,7 @@ from tspd.engines.base import (
 )
 
 __all__ = [
+    "DEFAULT_PIPELINE_MIN_DESCRIPTORS",
     "DEFAULT_POLL_MAX_DESCRIPTORS",
     "DEFAULT_WRITE_CONCURRENCY",
     "EngineRunner",
@@ -93,6 +120,16 @@ takes a core from the other ranks, and polling wins. Measured on the 2-core host
 than four copies 270-282 rooms/s, hand-over -> done p50 33-34 ms, Prefill CPU
 5.2-5.3 ms a room; every write polled 339-341 rooms/s, 20-21 ms, 3.8-3.9 ms. Pass
 ``poll_max_descriptors=4`` for the single-write optimum."""
+
+DEFAULT_PIPELINE_MIN_DESCRIPTORS: Final = 512
+"""Smallest write that is pipelined on an engine that can (see the module docstring).
+Below it a write is polled one copy at a time as before (no thread hop to wait for
+it), so small rooms — the rooms/s workload groups at most 256 one-page rooms into a
+write — keep exactly their former path."""
+
+_MAX_BATCHES_IN_FLIGHT: Final = 8
+"""Batches one pipelined write keeps in flight at most (with the default sizes the
+engine's in-flight bound allows two)."""
 
 _WARM_PEERS: Final = 4096
 """Peers remembered as reached; the oldest is forgotten beyond this."""
@@ -132,11 +169,13 @@ class StartedWrite:
 class EngineRunner:
     """An async front for a synchronous engine (see the module docstring).
 
-    ``limiter`` bounds concurrent writes (threads and polled writes alike) for this
-    engine; the default allows :data:`DEFAULT_WRITE_CONCURRENCY`.
-    ``poll_max_descriptors`` is the largest batch written by polling (0: always a
-    thread). The setup calls run in the calling thread; :attr:`blocking_setup` is
-    the engine's, for :mod:`tspd.shell.engine_setup` to decide where to make them.
+    ``limiter`` bounds concurrent writes (threads and polled writes alike; a
+    pipelined write holds it only to submit each batch) for this engine; the
+    default allows :data:`DEFAULT_WRITE_CONCURRENCY`. ``poll_max_descriptors`` is
+    the largest batch written by polling (0: always a thread);
+    ``pipeline_min_descriptors`` the smallest write pipelined (0: never). The setup
+    calls run in the calling thread; :attr:`blocking_setup` is the engine's, for
+    :mod:`tspd.shell.engine_setup` to decide where to make them.
     """
 
     def __init__(
@@ -145,10 +184,15 @@ class EngineRunner:
         *,
         limiter: trio.CapacityLimiter | None = None,
         poll_max_descriptors: int = DEFAULT_POLL_MAX_DESCRIPTORS,
+        pipeline_min_descriptors: int = DEFAULT_PIPELINE_MIN_DESCRIPTORS,
     ) -> None:
         if poll_max_descriptors < 0:
             raise ValueError(
                 f"poll_max_descriptors must not be negative, got {poll_max_descriptors}"
+            )
+        if pipeline_min_descriptors < 0:
+            raise ValueError(
+                f"pipeline_min_descriptors must not be negative, got {pipeline_min_descriptors}"
             )
         self.engine = engine
         self.limiter = (
@@ -158,12 +202,21 @@ class EngineRunner:
             engine if poll_max_descriptors and isinstance(engine, PollingEngine) else None
         )
         self._poll_max = poll_max_descriptors
+        self._pipelined: PipelinedEngine | None = (
+            engine if pipeline_min_descriptors and isinstance(engine, PipelinedEngine) else None
+        )
+        self._pipeline_min = pipeline_min_descriptors
         #: Peers a write reached since their last failure (insertion-ordered, bounded).
         self._reached: dict[str, None] = {}
         self._in_flight = 0
+        #: Descriptors of pipelined batches in flight, per peer.
+        self._batch_load: dict[str, int] = {}
         #: Writes that took each way (for tests and benchmarks).
         self.polled_writes = 0
         self.thread_writes = 0
+        self.pipelined_writes = 0
+        #: Most batches one pipelined write had in flight at once.
+        self.peak_batches_in_flight = 0
 
     @classmethod
     def from_env(
@@ -173,6 +226,7 @@ class EngineRunner:
         *,
         default_concurrency: int = DEFAULT_WRITE_CONCURRENCY,
         poll_max_descriptors: int = DEFAULT_POLL_MAX_DESCRIPTORS,
+        pipeline_min_descriptors: int = DEFAULT_PIPELINE_MIN_DESCRIPTORS,
     ) -> EngineRunner:
         """A runner whose write concurrency is ``TOKENSPEED_DISAGGREGATION_THREAD_POOL_SIZE``
         from ``environ`` (pass ``os.environ``) when set, else ``default_concurrency``.
@@ -184,6 +238,7 @@ class EngineRunner:
             engine,
             limiter=trio.CapacityLimiter(size or default_concurrency),
             poll_max_descriptors=poll_max_descriptors,
+            pipeline_min_descriptors=pipeline_min_descriptors,
         )
 
     @property
@@ -219,12 +274,29 @@ class EngineRunner:
         dst: AddressList,
         lengths: AddressList,
     ) -> None:
-        """Write the batch, polled or in a worker thread (see the module docstring);
-        never abandoned once started (a cancel that arrives while waiting for the
-        limiter does cancel the write before it starts)."""
+        """Write the batch, pipelined, polled or in a worker thread (see the module
+        docstring); never abandoned once started (a cancel that arrives while waiting
+        for the limiter does cancel the write before it starts)."""
         self._in_flight += 1
         try:
+            pipelined = self._pipelined
             if (
+                pipelined is not None
+                and len(src) >= self._pipeline_min
+                and peer_session in self._reached
+            ):
+                if not len(src) == len(dst) == len(lengths):
+                    raise TransferError(
+                        peer_session,
+                        -1,
+                        f"batch columns differ in length: {len(src)} src, {len(dst)} dst, "
+                        f"{len(lengths)} lengths",
+                    )
+                step = max(1, pipelined.max_in_flight_descriptors // 2)
+                await self._pipeline(
+                    pipelined, peer_session, src, dst, lengths, 0, step, _always, None
+                )
+            elif (
                 self._polling is not None
                 and len(src) <= self._poll_max
                 and peer_session in self._reached
@@ -272,12 +344,18 @@ class EngineRunner:
     ) -> StartedWrite | None:
         """Start a write that :meth:`batch_write` would poll, now, without yielding —
         or return ``None`` when it would not be polled (not a polling engine, too
-        many copies, a peer not reached yet) or the limiter is taken. A started
+        many copies, a write that would be pipelined, a peer not reached yet) or the
+        limiter is taken. A started
         write must be passed to :meth:`finish_write`: it references registered
         memory until that returns. Lets a caller start a transfer before its task
         next yields (the Prefill hand-over: ~30 µs sooner than a worker wake-up)."""
         engine = self._polling
-        if engine is None or len(src) > self._poll_max or peer_session not in self._reached:
+        if (
+            engine is None
+            or len(src) > self._poll_max
+            or peer_session not in self._reached
+            or (self._pipelined is not None and len(src) >= self._pipeline_min)
+        ):
             return None
         borrower = object()
         try:
@@ -298,6 +376,146 @@ class EngineRunner:
             raise
         finally:
             self._in_flight -= 1
+
+    async def write_plan(
+        self,
+        peer_session: str,
+        plan: CopyPlan,
+        *,
+        max_descriptors: int = DEFAULT_MAX_DESCRIPTORS,
+        active: Callable[[], bool] | None = None,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> bool:
+        """Write ``plan`` to ``peer_session`` in engine calls of at most
+        ``max_descriptors`` copies, checking ``active()`` before every call (write
+        fencing); ``False`` once it said no — nothing more is started then, and
+        whatever was started is finished first. ``on_batch(descriptors, nbytes)``
+        follows every call that succeeded. Pipelined when the engine can and the
+        plan has at least ``pipeline_min_descriptors`` copies (the first call to a
+        peer not reached yet goes alone, through a thread), else one
+        :meth:`batch_write` after another. Raises the first failed call's
+        :class:`TransferError` once nothing of the plan is in flight."""
+        if max_descriptors < 1:
+            raise ValueError(f"max_descriptors must be at least 1, got {max_descriptors}")
+        check = _always if active is None else active
+        engine = self._pipelined
+        if engine is None or len(plan) < self._pipeline_min:
+            for batch in batches(plan, max_descriptors):
+                if not check():
+                    return False
+                await self.batch_write(peer_session, batch.src, batch.dst, batch.length)
+                if on_batch is not None:
+                    on_batch(len(batch), batch.total_bytes)
+            return True
+        step = max(1, min(max_descriptors, engine.max_in_flight_descriptors // 2))
+        start = 0
+        if peer_session not in self._reached:
+            if not check():
+                return False
+            first = CopyPlan(plan.src[:step], plan.dst[:step], plan.length[:step])
+            await self.batch_write(peer_session, first.src, first.dst, first.length)
+            if on_batch is not None:
+                on_batch(len(first), first.total_bytes)
+            start = len(first)
+            if start == len(plan):
+                return True
+        self._in_flight += 1
+        try:
+            return await self._pipeline(
+                engine, peer_session, plan.src, plan.dst, plan.length, start, step, check, on_batch
+            )
+        finally:
+            self._in_flight -= 1
+
+    async def _pipeline(
+        self,
+        engine: PipelinedEngine,
+        peer_session: str,
+        src: AddressList,
+        dst: AddressList,
+        lengths: AddressList,
+        start: int,
+        step: int,
+        active: Callable[[], bool],
+        on_batch: Callable[[int, int], None] | None,
+    ) -> bool:
+        """Submit ``[start, len)`` of the columns in batches of ``step``, keeping the
+        peer's pipelined descriptors within the engine's bound (at least one batch of
+        this write in flight); ``False`` if ``active()`` stopped it (see
+        :meth:`write_plan` and the module docstring's cancellation rule)."""
+        self.pipelined_writes += 1
+        budget = max(1, engine.max_in_flight_descriptors)
+        pending: deque[tuple[BatchTicket, int]] = deque()
+        error: TransferError | None = None
+        total = len(lengths)
+        try:
+            for first in range(start, total, step):
+                last = min(first + step, total)
+                count = last - first
+                while pending and (
+                    len(pending) >= _MAX_BATCHES_IN_FLIGHT
+                    or self._batch_load.get(peer_session, 0) + count > budget
+                ):
+                    error = await self._reap(engine, peer_session, pending, on_batch)
+                    if error is not None:
+                        return False
+                # A cancel stops submission here; what is in flight is waited for below.
+                await trio.lowlevel.checkpoint_if_cancelled()
+                borrower = object()
+                try:
+                    self.limiter.acquire_on_behalf_of_nowait(borrower)
+                except trio.WouldBlock:
+                    await self.limiter.acquire_on_behalf_of(borrower)
+                try:
+                    if not active():
+                        return False
+                    ticket = engine.submit_batch(
+                        peer_session, src[first:last], dst[first:last], lengths[first:last]
+                    )
+                except TransferError as err:
+                    error = err
+                    return False
+                finally:
+                    self.limiter.release_on_behalf_of(borrower)
+                pending.append((ticket, count))
+                self._batch_load[peer_session] = self._batch_load.get(peer_session, 0) + count
+                self.peak_batches_in_flight = max(self.peak_batches_in_flight, len(pending))
+            return True
+        finally:
+            while pending:
+                late = await self._reap(engine, peer_session, pending, on_batch)
+                error = error or late
+            if error is not None:
+                self._reached.pop(peer_session, None)
+                # A failure outranks a cancellation (the module docstring's rule).
+                raise error
+
+    async def _reap(
+        self,
+        engine: PipelinedEngine,
+        peer_session: str,
+        pending: deque[tuple[BatchTicket, int]],
+        on_batch: Callable[[int, int], None] | None,
+    ) -> TransferError | None:
+        """Wait (shielded, in a worker thread) for the oldest pipelined batch; its error."""
+        ticket, count = pending.popleft()
+        error: TransferError | None = None
+        try:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(engine.wait_batch, ticket, abandon_on_cancel=False)
+        except TransferError as err:
+            error = err
+        except Exception as err:  # the batch is spent either way; never leave the rest
+            error = TransferError(peer_session, -1, f"{type(err).__name__}: {err}")
+        finally:
+            load = self._batch_load.get(peer_session, 0) - count
+            if load > 0:
+                self._batch_load[peer_session] = load
+            else:
+                self._batch_load.pop(peer_session, None)
+        if error is None and on_batch is not None:
+            on_batch(count, ticket.length)
+        return error
 
     def _submit(
         self,
@@ -374,6 +592,10 @@ class EngineRunner:
         :func:`tspd.shell.engine_setup.close_engine`). Call it only when no write is
         in flight."""
         self.engine.close()
+
+
+def _always() -> bool:
+    return True
 
 
 async def _await_tickets(

@@ -8,8 +8,12 @@ after another, so one room's chunks — and its final report — stay in order.
 A chunk is a list of intervals: wait until the producer step counter is past the
 interval's target (layerwise; a full transfer has no target), then write each
 destination's copies in order, cut into engine calls of at most
-``max_descriptors`` (:func:`tspd.core.copies.batches`). What a worker reports back
-to the core:
+``max_descriptors`` (:func:`tspd.core.copies.batches`), the room checked before
+every call (write fencing). Through an :class:`~tspd.shell.offload.EngineRunner`
+a large write is pipelined (:meth:`~tspd.shell.offload.EngineRunner.write_plan`:
+the next calls are submitted while earlier ones are in flight, within the engine's
+per-peer queue); otherwise each call waits for the previous one. What a worker
+reports back to the core:
 
 * a failed write → ``transfer_failed(room, session_id, reason, now)`` and the rest
   of the chunk is dropped (later intervals are not attempted,
@@ -353,17 +357,33 @@ class TransferWorkers:
     async def _write(self, session: str, plan: CopyPlan, active: Callable[[], bool]) -> bool:
         """Write ``plan`` to ``session`` in engine calls of at most ``max_descriptors``,
         checking ``active()`` before each call (write fencing: no call starts once the
-        room ended); ``False`` if it stopped there. A write that moved bytes is
-        reported to ``on_write``."""
+        room ended); ``False`` if it stopped there. Through a runner the calls are
+        pipelined when the plan is large (:meth:`EngineRunner.write_plan`). A write
+        that moved bytes is reported to ``on_write``."""
         started, written = trio.current_time(), 0
-        for batch in batches(plan, self._max_descriptors):
-            if not active():
-                return False
-            await self._engine.batch_write(session, batch.src, batch.dst, batch.length)
+
+        def count(descriptors: int, nbytes: int) -> None:
+            nonlocal written
             self.stats.engine_calls += 1
-            self.stats.descriptors += len(batch)
-            self.stats.bytes_written += batch.total_bytes
-            written += batch.total_bytes
+            self.stats.descriptors += descriptors
+            self.stats.bytes_written += nbytes
+            written += nbytes
+
+        if self._runner is not None:
+            if not await self._runner.write_plan(
+                session,
+                plan,
+                max_descriptors=self._max_descriptors,
+                active=active,
+                on_batch=count,
+            ):
+                return False
+        else:
+            for batch in batches(plan, self._max_descriptors):
+                if not active():
+                    return False
+                await self._engine.batch_write(session, batch.src, batch.dst, batch.length)
+                count(len(batch), batch.total_bytes)
         if written and self._on_write is not None:
             self._on_write(session, written, trio.current_time() - started)
         return True
