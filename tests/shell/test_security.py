@@ -27,7 +27,7 @@ from tspd.core.poll import TransferPoll
 from tspd.core.prefill import PrefillConfig
 from tspd.keys import KeyFiles, generate_keys
 from tspd.shell.arena import HostArena, fill_room, verify_room
-from tspd.shell.bootstrap import BootstrapClient, open_bootstrap_server
+from tspd.shell.bootstrap import BootstrapClient, holder_alive, open_bootstrap_server
 from tspd.shell.decode import DecodePeer, DecodeSettings, open_decode_peer
 from tspd.shell.prefill import PrefillPeer, PrefillSettings, RemoteDecodeRow, open_prefill_peer
 from tspd.shell.security import CurveKeys, SecurityConfig
@@ -286,7 +286,11 @@ async def test_route_hijack_needs_the_token_and_the_same_identity_while_the_rank
                 )
                 assert same.status_code == 200
             # The holder is gone (its control endpoint refuses connections): another
-            # identity may take the route over.
+            # identity may take the route over. libzmq closes a listener in its I/O
+            # thread after the socket is closed, so wait until the port refuses.
+            with trio.fail_after(10):
+                while await holder_alive("127.0.0.1", route.json()["rank_port"]):  # noqa: ASYNC110
+                    await trio.sleep(0.02)  # nothing to wait on: the port is libzmq's
             taken = await http.put(url, content=body(2, None), headers=bearer(_token(keys)))
             assert taken.status_code == 200, taken.text
 
