@@ -58,6 +58,7 @@ from tspd.core.contract import CacheContract
 from tspd.core.decode import DecodeConfig
 from tspd.core.errors import ConfigError, TspdError
 from tspd.core.interop import bootstrap_token_and_candidates
+from tspd.core.machines import RoomState
 from tspd.core.manifest import BlockManifest, build_manifest
 from tspd.core.prefill import ExtendRow, PrefillConfig
 from tspd.core.schedule import ProducerSchedule
@@ -93,6 +94,11 @@ _POLL_SPACING_PER_REQUEST = 0.00001
 #: A TP group's poll is a replica-agreement round trip between processes: at least
 #: this far apart.
 _GROUP_POLL_SPACING = 0.0005
+
+#: Room states in which a handed-over room has nothing left in flight (it ended in
+#: the hand-over call: nothing to send, a failed plan, a layerwise room already
+#: written), so the next poll reports it without any activity.
+_ENDED: Final = frozenset({RoomState.SUCCESS, RoomState.FAILED, RoomState.ABSENT})
 
 
 async def _pace(last_poll: float, tracked: int, tp: int) -> None:
@@ -325,6 +331,7 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
                             reason=None if ok else event.reason,  # type: ignore[union-attr]
                             trace=_failure_trace(peer, room, ok),
                         )
+                transferring = False
                 if ready:
                     await _prefill_forward(
                         peer,
@@ -338,7 +345,11 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
                         ready,
                         reporter,
                     )
-                if not events:
+                    transferring = all(peer.room_state(live[rid]) not in _ENDED for rid in ready)
+                if not events or transferring:
+                    # Nothing new, or only hand-overs whose outcome comes back as
+                    # activity (the transfer's): polling at once would find nothing
+                    # and take the CPU from the writes in flight.
                     with trio.move_on_after(_IDLE_MAX):
                         await peer.wait_for_activity()
             reporter.emit(

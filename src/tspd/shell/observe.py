@@ -35,12 +35,16 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol, final
 
-from tspd.core.commands import Command, Event
+from tspd.core.commands import Command, Event, Log, Rejected, RoomFailed
 from tspd.core.trace import Outcome, RoomTrace, Side
 from tspd.log import LogLimits, component_logger, fields, log_command
 from tspd.shell.metrics import PeerMetrics, TspdMetrics
 
 __all__ = ["ObservedCore", "PeerObserver"]
+
+#: The commands that make a log line (:func:`tspd.log.log_command`); every other
+#: command -- a message to send, a transfer chunk -- skips the logging call.
+_LOGGED = (Log, RoomFailed, Rejected)
 
 
 class ObservedCore(Protocol):
@@ -105,6 +109,8 @@ class PeerObserver:
         to carry it out."""
         if self.metrics is not None:
             self.metrics.observe_command(command)
+        if not isinstance(command, _LOGGED):
+            return False
         return log_command(self.log, command, limits=self.log_limits, **self._context)
 
     def internal_error(self, what: str) -> None:

@@ -388,6 +388,7 @@ def _bind_pull(
         max_frame_bytes=max_frame_bytes,
         max_frames=MAX_MESSAGE_FRAMES,
         name=name,
+        owner_only=True,  # the receive task makes every call on it
     )
     try:
         if curve is not None:
