@@ -343,21 +343,7 @@ class FakeEngine:
         """Record a batch (one pending fault applies to the whole batch); columns that
         are not integers or differ in length are refused at once, everything else is
         checked when :meth:`wait_batch` copies."""
-        if self._closed:
-            raise TransferError(peer_session, _FAILED, f"engine {self._session_id} is closed")
-        try:
-            srcs = as_address_list(src, what="src")
-            dsts = as_address_list(dst, what="dst")
-            lens = as_address_list(lengths, what="lengths")
-        except TypeError as exc:
-            raise TransferError(peer_session, _FAILED, str(exc)) from None
-        if not len(srcs) == len(dsts) == len(lens):
-            raise TransferError(
-                peer_session,
-                _FAILED,
-                f"batch columns differ in length: {len(srcs)} src, {len(dsts)} dst, "
-                f"{len(lens)} lengths",
-            )
+        srcs, dsts, lens = self._columns(peer_session, src, dst, lengths)
         fault = self._take_fault(peer_session)
         stall = self.latency if fault is None else max(fault[0], self.latency)
         now = self._clock()
@@ -433,13 +419,11 @@ class FakeEngine:
             by_peer = self.stats.writes_by_peer
             by_peer[peer_session] = by_peer.get(peer_session, 0) + 1
 
-    def _validate(
-        self,
-        peer_session: str,
-        src: AddressList,
-        dst: AddressList,
-        lengths: AddressList,
-    ) -> list[tuple[int, int, int]]:
+    def _columns(
+        self, peer_session: str, src: AddressList, dst: AddressList, lengths: AddressList
+    ) -> tuple[list[int], list[int], list[int]]:
+        """A batch's three columns as address lists; a closed engine, a column that is
+        not integers or columns of different lengths are a ``TransferError``."""
         if self._closed:
             raise TransferError(peer_session, _FAILED, f"engine {self._session_id} is closed")
         try:
@@ -455,6 +439,16 @@ class FakeEngine:
                 f"batch columns differ in length: {len(srcs)} src, {len(dsts)} dst, "
                 f"{len(lens)} lengths",
             )
+        return srcs, dsts, lens
+
+    def _validate(
+        self,
+        peer_session: str,
+        src: AddressList,
+        dst: AddressList,
+        lengths: AddressList,
+    ) -> list[tuple[int, int, int]]:
+        srcs, dsts, lens = self._columns(peer_session, src, dst, lengths)
         peer = self._fabric.lookup(peer_session)
         if peer is None or peer.closed:
             raise TransferError(peer_session, _FAILED, "peer session is not reachable")
