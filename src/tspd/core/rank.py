@@ -25,6 +25,7 @@ ends, and what to do with a request still open after an agreement.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Generic, TypeVar
@@ -91,7 +92,7 @@ R = TypeVar("R", bound=TrackedRequest)
 C = TypeVar("C", bound=Command)
 
 
-class RankCore(Generic[R, C]):
+class RankCore(ABC, Generic[R, C]):
     """The side-independent half of a rank's core. ``R`` is the side's request type,
     ``C`` the union of the commands the side queues: :meth:`drain_commands` returns
     only those (and the :class:`~tspd.core.commands.Log` and
@@ -298,15 +299,15 @@ class RankCore(Generic[R, C]):
     def _still_open(self, request: R, value: int, now: float) -> None:
         """A live agreed value that neither announces nor ends ``request``."""
 
+    @abstractmethod
     def _succeeded(self, request: R, now: float) -> Event:
         """The scheduler's event for a request the group agreed succeeded."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _failed(self, request: R, reason: str, index: int, now: float) -> Event:
         """The scheduler's event for a request the group agreed failed (``index``:
         its position in this poll), called before it is forgotten."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _forget_request(self, request: R, now: float) -> None:
         """Drop an ended request and whatever this side keeps for it."""
-        raise NotImplementedError

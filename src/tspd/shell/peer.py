@@ -31,6 +31,7 @@ then the bootstrap client and the task nursery.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -147,7 +148,7 @@ class PeerSettings(Protocol):
     def security(self) -> SecurityConfig | None: ...
 
 
-class RankPeer(Generic[CmdT]):
+class RankPeer(ABC, Generic[CmdT]):
     """The side-independent half of a rank's running peer (see the module
     docstring). ``CmdT`` is the side's command union; the side supplies its
     executor (:meth:`_execute`), its core's message handler (:meth:`_receiver`)
@@ -210,11 +211,11 @@ class RankPeer(Generic[CmdT]):
             observe(command)
             execute(command)
 
+    @abstractmethod
     def _execute(self, command: CmdT) -> None:
         """Carry out one command the observer has seen: the side's exhaustive
         ``match`` over its command union, which hands the commands both sides share
         and need nothing more than observing to :meth:`_observed`."""
-        raise NotImplementedError
 
     def _observed(self, command: RoomFailed | Log | Rejected) -> None:
         """A command only for observing, which the observer logged and counted; a
@@ -287,9 +288,9 @@ class RankPeer(Generic[CmdT]):
     #: What the receive task's messages are, for the log line of a fault handling one.
     _received = "a message"
 
+    @abstractmethod
     def _receiver(self) -> Receiver:
         """The core's handler of one received message (read once per batch)."""
-        raise NotImplementedError
 
     async def _receive(
         self,
