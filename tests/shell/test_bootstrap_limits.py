@@ -126,6 +126,26 @@ async def test_odd_requests_are_4xx_never_500(
     assert sum(counted.values()) == len(cases)
 
 
+async def test_an_answer_given_before_the_body_is_read_closes_the_connection(
+    server: BootstrapServer, http: httpx.AsyncClient
+) -> None:
+    # The unread rest of such a body would be parsed as the next request, so the
+    # server closes after answering; it must say so, or a client that reuses the
+    # connection for its next request finds it closed under that request.
+    url = server.url
+    r = await http.put(url + "/route", content=b" " * ((1 << 20) + 1))
+    assert r.status_code == 413
+    assert r.headers.get("connection") == "close", r.headers
+    assert (await http.get(url + "/health")).status_code == 200
+    # Answers given after the whole body was read keep the connection.
+    for r in (
+        await http.put(url + "/route", json=route()),
+        await http.put(url + "/nothing", content=b"{}"),
+    ):
+        assert r.status_code in (200, 404)
+        assert r.headers.get("connection") != "close", r.headers
+
+
 async def test_a_declared_oversized_body_is_refused_before_it_is_read(
     server: BootstrapServer,
 ) -> None:

@@ -194,6 +194,48 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         await self._stream.aclose()
 
 
+def _has_body(headers: Any) -> bool:
+    """Whether a request head announces a body (a non-zero ``Content-Length`` or any
+    ``Transfer-Encoding``)."""
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered == b"transfer-encoding" or (lowered == b"content-length" and value != b"0"):
+            return True
+    return False
+
+
+def _close_if_body_unread(app: Any) -> Any:
+    """``app``, whose answers given before the request's body was read in full (a
+    ``413`` from the declared length, a ``404``/``405`` to a request with a body)
+    say ``Connection: close``: the unread rest of the body would otherwise be read
+    as the next request, so the server closes the connection after the answer, and
+    a client that reused it for its next request would find it closed under that
+    request instead of opening a new one."""
+
+    async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or not _has_body(scope.get("headers", ())):
+            await app(scope, receive, send)
+            return
+        body_read = False
+
+        async def receive_tracked() -> Any:
+            nonlocal body_read
+            message = await receive()
+            if message.get("type") == "http.request" and not message.get("more_body", False):
+                body_read = True
+            return message
+
+        async def send_closing(message: Any) -> None:
+            if message.get("type") == "http.response.start" and not body_read:
+                headers = [h for h in message.get("headers", ()) if h[0].lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await app(scope, receive_tracked, send_closing)
+
+    return wrapped
+
+
 def _header_guard(app: Any, limit: int) -> Any:
     """``app`` behind a check of the request's size: h11 bounds only a request head
     that arrives in pieces, so one that arrives whole, however large, reaches the
@@ -339,7 +381,7 @@ async def serve_asgi(
     config.h11_max_incomplete_size = limits.max_header_bytes
     config.backlog = limits.backlog
     asgi = wrap_app(
-        _header_guard(app, limits.max_header_bytes),
+        _header_guard(_close_if_body_unread(app), limits.max_header_bytes),
         config.wsgi_max_body_size,
         "asgi",
     )
