@@ -11,7 +11,11 @@ Short runs are part of the test suite (``tests/core/test_fuzz_targets_wire.py``,
 hypothesis). Long runs, by hand, with atheris::
 
     pip install atheris
-    python fuzz/fuzz_wire.py [registration|preallocation|status|embedding_status] [libFuzzer flags]
+    python fuzz/fuzz_wire.py [registration|preallocation|status|embedding_status|staged_blob] \
+        [libFuzzer flags]
+
+The registration and pre-allocation targets decode as a rank with staged transfers
+on, so the 9- and 4-frame forms (docs/wire.md#staged-transfers) are fuzzed too.
 
 Without a target name every input picks one by its first byte.
 """
@@ -25,7 +29,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Final
 
+import numpy as np
+
 from tspd.core.errors import WireError
+from tspd.core.staging import BLOB_ENTRY_BYTES, BLOB_HEADER_BYTES, read_blob_table
 from tspd.core.wire import (
     decode_embedding_status,
     decode_preallocation,
@@ -45,6 +52,7 @@ __all__ = [
     "fuzz_embedding_status",
     "fuzz_preallocation",
     "fuzz_registration",
+    "fuzz_staged_blob",
     "fuzz_status",
     "join_frames",
     "split_frames",
@@ -73,16 +81,16 @@ def fuzz_registration(data: bytes) -> None:
     with contextlib.suppress(WireError):
         is_registration(frames)
     try:
-        route = decode_registration_route(frames)
+        route = decode_registration_route(frames, staging=True)
     except WireError:
         route = None
     try:
-        registration = decode_registration(frames)
+        registration = decode_registration(frames, staging=True)
     except WireError:
         return
     # A registration that decodes has a route header that decodes to its route.
     assert route == registration.route, (route, registration.route)
-    again = decode_registration(encode_registration(registration))
+    again = decode_registration(encode_registration(registration), staging=True)
     assert again == registration, (again, registration)
 
 
@@ -90,18 +98,24 @@ def fuzz_preallocation(data: bytes) -> None:
     """Decode a pre-allocation and parse its manifest frame."""
     frames = split_frames(data)
     try:
-        preallocation = decode_preallocation(frames)
+        preallocation = decode_preallocation(frames, staging=True)
         manifest = preallocation.manifest()
     except WireError:
         return
-    encoded = encode_preallocation(preallocation.room, preallocation.session_id, manifest)
-    again = decode_preallocation(encoded)
-    assert (again.room, again.session_id) == (preallocation.room, preallocation.session_id)
+    encoded = encode_preallocation(
+        preallocation.room, preallocation.session_id, manifest, preallocation.slot
+    )
+    again = decode_preallocation(encoded, staging=True)
+    assert (again.room, again.session_id, again.slot) == (
+        preallocation.room,
+        preallocation.session_id,
+        preallocation.slot,
+    )
     assert again.manifest() == manifest
 
 
 def fuzz_status(data: bytes) -> None:
-    """Decode a status message (3..7 frames)."""
+    """Decode a status message (3..8 frames)."""
     frames = split_frames(data)
     try:
         message = decode_status(frames)
@@ -127,11 +141,32 @@ def fuzz_embedding_status(data: bytes) -> None:
     assert encode_embedding_status(message) == frames
 
 
+def fuzz_staged_blob(data: bytes) -> None:
+    """Read a staged blob's table: the first 4 bytes are the announced length, the
+    next 4 the slot's, the rest the slot's bytes. A table that reads has lengths that
+    cover exactly the data announced."""
+    if len(data) < 8:
+        return
+    staged = int.from_bytes(data[:4], "little")
+    slot = int.from_bytes(data[4:8], "little")
+    blob = np.frombuffer(data[8:], dtype=np.uint8)
+    try:
+        dst, lengths = read_blob_table(blob, staged, slot)
+    except WireError:
+        return
+    assert len(dst) == len(lengths)
+    table = BLOB_HEADER_BYTES + BLOB_ENTRY_BYTES * len(lengths)
+    assert table + int(lengths.sum()) == staged <= min(slot, len(blob))
+    assert (lengths >= 1).all()
+    assert (dst >= 0).all()
+
+
 TARGETS: Final[dict[str, Callable[[bytes], None]]] = {
     "registration": fuzz_registration,
     "preallocation": fuzz_preallocation,
     "status": fuzz_status,
     "embedding_status": fuzz_embedding_status,
+    "staged_blob": fuzz_staged_blob,
 }
 _ORDER: Final = tuple(TARGETS.values())
 

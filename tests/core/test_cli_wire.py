@@ -157,7 +157,7 @@ def test_kv_batch_payload_and_pub_message() -> None:
         (
             "status",
             "31\n",
-            "error: Rejecting malformed Prefill status message: expected 3..7 frames, got 1\n",
+            "error: Rejecting malformed Prefill status message: expected 3..8 frames, got 1\n",
         ),
         ("registration", "", "error: CachePD slab registration requires exactly 8 frames\n"),
         ("contract", "{}", "error: invalid cache transfer contract\n"),

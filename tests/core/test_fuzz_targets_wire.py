@@ -7,12 +7,15 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tspd.core.poll import TransferPoll
+from tspd.core.staging import gather_blob
 from tspd.core.wire import (
     EmbeddingStatus,
     Registration,
@@ -113,7 +116,7 @@ def test_seeds_decode_through_their_target(name: str, monkeypatch: pytest.Monkey
 def test_targets_let_non_wire_errors_escape(
     name: str, decoder: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(frames: list[bytes]) -> object:
+    def broken(frames: list[bytes], **options: object) -> object:
         raise IndexError("a decoder bug")
 
     monkeypatch.setattr(fw, decoder, broken)
@@ -165,3 +168,28 @@ def test_random_frames(name: str, frames: list[bytes]) -> None:
 @given(data=st.binary(max_size=256))
 def test_combined_entry_point(data: bytes) -> None:
     fw.test_one_input(data)
+
+
+@given(st.binary(max_size=600))
+def test_the_staged_blob_target_takes_any_bytes(data: bytes) -> None:
+    fw.fuzz_staged_blob(data)
+
+
+def test_the_staged_blob_target_reads_a_real_blob(monkeypatch: pytest.MonkeyPatch) -> None:
+    source = np.arange(256, dtype=np.uint8)
+    out = np.zeros(256, dtype=np.uint8)
+    offsets = np.array([0, 100], dtype=np.int64)
+    lengths = np.array([10, 20], dtype=np.int64)
+    size = gather_blob(out, source, offsets, offsets, lengths)
+    read: list[int] = []
+    real = fw.read_blob_table
+
+    def counting(blob: Any, staged: int, slot: int) -> Any:
+        table = real(blob, staged, slot)
+        read.append(len(table[0]))
+        return table
+
+    monkeypatch.setattr(fw, "read_blob_table", counting)
+    data = size.to_bytes(4, "little") + (256).to_bytes(4, "little") + out.tobytes()
+    fw.fuzz_staged_blob(data)
+    assert read == [2]

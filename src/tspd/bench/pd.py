@@ -56,6 +56,9 @@ __all__ = ["PdFigures", "pd", "run_pd_bench"]
 
 PAGE = 4096
 BIG_PAGES = 16384  # 64 MiB in 4 KiB pages
+#: Each rank's staging region for the staged row: one 64 MiB room's blob, with room
+#: for the next one's (docs/wire.md#staged-transfers).
+STAGING_MIB = 160
 _HOLD = ("--hold-reports",)
 
 
@@ -78,6 +81,8 @@ class PdFigures:
     #: The rooms/s and hand-over runs in secure mode (``--secure``), else ``None``.
     secure_throughput: DemoSummary | None = None
     secure_latency: DemoSummary | None = None
+    #: The scattered 64 MiB rooms sent staged between the two tspd peers.
+    staged: DemoSummary | None = None
 
 
 def _contract_file(directory: str, pages: int) -> str:
@@ -87,7 +92,12 @@ def _contract_file(directory: str, pages: int) -> str:
 
 
 async def _demo(
-    workload: Workload, *, in_flight: int, scatter: bool = False, secure: bool = False
+    workload: Workload,
+    *,
+    in_flight: int,
+    scatter: bool = False,
+    secure: bool = False,
+    staging_mib: int = 0,
 ) -> DemoSummary:
     summary = await run_demo(
         DemoOptions(
@@ -96,6 +106,7 @@ async def _demo(
             decode_tp=1,
             in_flight=in_flight,
             scatter=scatter,
+            staging_mib=staging_mib,
             timeout=600,
             prefill_args=_HOLD,
             decode_args=_HOLD,
@@ -169,6 +180,14 @@ async def run_pd_bench(
             in_flight=1,
             scatter=True,
         )
+        staged = await _demo(
+            Workload(
+                rooms=range(1, 1 + big_rooms), contract_file=big, fixed_prompt_pages=BIG_PAGES
+            ),
+            in_flight=1,
+            scatter=True,
+            staging_mib=STAGING_MIB,
+        )
     small_write = zmq_rtt = None
     if not large_only:
         small_write = await trio.to_thread.run_sync(
@@ -206,6 +225,7 @@ async def run_pd_bench(
         zmq=zmq_rtt,
         secure_throughput=secure_throughput,
         secure_latency=secure_latency,
+        staged=staged,
     )
 
 
@@ -272,6 +292,21 @@ def _large_rows(f: PdFigures) -> list[tuple[str, str, str]]:
             f"{_room_gbps(f.scattered):.3f} GB/s{_ok(f.scattered)}",
             f"16,384 × 4 KiB descriptors {f.big_scattered_write.gbps:.3f} GB/s"
             f"{_pipelined(f.big_scattered_pipelined)}; "
+            f"one 64 MiB write {f.big_write.gbps:.3f} GB/s",
+        ),
+        *_staged_rows(f),
+    ]
+
+
+def _staged_rows(f: PdFigures) -> list[tuple[str, str, str]]:
+    """The staged 64 MiB row, beside one contiguous write of the same bytes."""
+    if f.staged is None:
+        return []
+    share = _room_gbps(f.staged) / f.big_write.gbps * 100 if f.big_write.gbps else math.nan
+    return [
+        (
+            "64 MiB room, 16,384 × 4 KiB pages, scattered, staged (tspd ↔ tspd)",
+            f"{_room_gbps(f.staged):.3f} GB/s = {share:.0f} % of one write{_ok(f.staged)}",
             f"one 64 MiB write {f.big_write.gbps:.3f} GB/s",
         ),
     ]

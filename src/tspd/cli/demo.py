@@ -128,6 +128,14 @@ def _workload_options(fn: F) -> F:
         click.option("--layerwise", is_flag=True, help="Stream KV layer by layer."),
         click.option("--scatter", is_flag=True, help="Allocate pages scattered, not contiguous."),
         click.option(
+            "--staging-mib",
+            default=0,
+            show_default=True,
+            type=click.IntRange(min=0, max=1 << 20),
+            help="Each rank's staging region for staged transfers between tspd peers "
+            "(docs/wire.md#staged-transfers); 0: off.",
+        ),
+        click.option(
             "--bootstrap-timeout",
             type=float,
             default=None,
@@ -235,6 +243,7 @@ def demo(
         in_flight=kw["in_flight"],
         layerwise=kw["layerwise"],
         scatter=kw["scatter"],
+        staging_mib=kw["staging_mib"],
         timeout=timeout,
         bootstrap_timeout=tuned.bootstrap_timeout,
         waiting_timeout=tuned.waiting_timeout,
@@ -431,6 +440,7 @@ def _role_command(role: str) -> click.Command:
             in_flight=kw["in_flight"],
             layerwise=kw["layerwise"],
             scatter=kw["scatter"],
+            staging_mib=kw["staging_mib"],
             workers=tuned.workers,
             bootstrap_timeout=tuned.bootstrap_timeout,
             waiting_timeout=tuned.waiting_timeout,

@@ -67,6 +67,7 @@ __all__ = [
     "METHOD_NOT_ALLOWED",
     "MISSING_INPUTS",
     "REFUSAL_REASONS",
+    "STAGING_FIELD",
     "BootstrapState",
     "HttpReply",
     "ParallelInfo",
@@ -104,6 +105,13 @@ CURVE_KEY_FIELD: Final = "curve_public_key"
 """The ``PUT /route`` field, and the rank-info reply field, that carries a secure-mode
 Prefill rank's CURVE public key (Z85, 40 characters; docs/security.md). A plain rank
 sends none, and its reply is then exactly TokenSpeed's."""
+
+STAGING_FIELD: Final = "tspd_staging"
+"""The ``PUT /route`` field, and the rank-info reply field, by which a tspd Prefill
+rank offers staged transfers (``true``; docs/wire.md#staged-transfers). Absent or
+``false``: the plain protocol, and the reply is exactly TokenSpeed's. TokenSpeed's
+Decode ignores the field; a tspd Decode then adds the staging frames for that rank
+only."""
 
 #: Z85's alphabet (ZeroMQ RFC 32).
 _Z85: Final = frozenset(
@@ -228,6 +236,7 @@ class _Registration:
     rank_ip: str
     rank_port: int
     curve_key: str | None = None
+    staging: bool = False
 
 
 class BootstrapState:
@@ -335,11 +344,18 @@ class BootstrapState:
                     f"bootstrap PUT field {CURVE_KEY_FIELD!r} must be a CURVE public key in "
                     f"Z85 (40 characters), got {_shown(curve_key)}",
                 )
+            staging = payload.get(STAGING_FIELD, False)
+            if not isinstance(staging, bool):
+                raise _bad(
+                    "bad_field",
+                    f"bootstrap PUT field {STAGING_FIELD!r} must be true or false, got "
+                    f"{_shown(staging)}",
+                )
             tp_per_dp = world_size // dp_size
             registration = (
                 engine_rank // tp_per_dp,
                 engine_rank % tp_per_dp,
-                _Registration(rank_ip, rank_port, curve_key),
+                _Registration(rank_ip, rank_port, curve_key, staging),
             )
         # Every check passed: commit.
         self.cache_layout = layout
@@ -447,6 +463,8 @@ class BootstrapState:
         reply: dict[str, Any] = {"rank_ip": entry.rank_ip, "rank_port": entry.rank_port}
         if entry.curve_key is not None:
             reply[CURVE_KEY_FIELD] = entry.curve_key
+        if entry.staging:
+            reply[STAGING_FIELD] = True
         return HttpReply.json(reply)
 
     def identity_conflict(self, body: bytes) -> tuple[str, int, str | None] | None:
@@ -608,6 +626,8 @@ class RankInfo:
     rank_ip: str
     rank_port: int
     curve_key: str | None = None
+    #: The rank offers staged transfers (:data:`STAGING_FIELD`).
+    staging: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -672,7 +692,8 @@ def parse_rank_info(body: bytes | str) -> RankInfo:
     must pass :func:`is_valid_host` and ``rank_port`` be in ``1..65535`` (a server
     that checks nothing may hand out ``"*"``, which a socket library refuses). A
     secure-mode rank's reply also has :data:`CURVE_KEY_FIELD`, which must then be a
-    CURVE public key."""
+    CURVE public key; :data:`STAGING_FIELD` ``true`` offers staged transfers (any
+    other value reads as no offer)."""
     obj = _reply_object(body, "rank-info")
     ip: object = obj.get("rank_ip")
     port: object = obj.get("rank_port")
@@ -693,4 +714,4 @@ def parse_rank_info(body: bytes | str) -> RankInfo:
             f"bootstrap rank-info reply has an unusable {CURVE_KEY_FIELD} {_shown(key)}: a "
             "CURVE public key is 40 characters of Z85"
         )
-    return RankInfo(ip, port, key)
+    return RankInfo(ip, port, key, obj.get(STAGING_FIELD) is True)

@@ -9,6 +9,8 @@ The shell executes them in that order:
 * :class:`StartTransfer` — run one room's planned writes on worker ``shard``.
 * :class:`FetchParallelInfo` / :class:`FetchRankInfo` — bootstrap-server lookups
   (Decode); answer with ``parallel_info(...)`` / ``rank_info(...)``.
+* :class:`ScatterStaged` — a staged room's blob arrived (Decode): check it and copy
+  it into the room's pages, then answer with ``staged_done(...)``.
 * :class:`RoomFailed` — a room failed (once per room): log and count it.
 * :class:`Log` — an operator-facing message the core wants logged.
 * :class:`Rejected` — a message from a peer was refused: log (rate-limited) and count it.
@@ -26,7 +28,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tspd.core.copies import CopyPlan
+from tspd.core.copies import CopyPlan, Int64Array
 from tspd.core.reasons import ReasonClass
 
 __all__ = [
@@ -47,7 +49,9 @@ __all__ = [
     "Rejected",
     "RemotePrefillDone",
     "RoomFailed",
+    "ScatterStaged",
     "SendFrames",
+    "StagedWrite",
     "StartTransfer",
     "Succeeded",
     "TransferInterval",
@@ -90,6 +94,23 @@ class CloseRoute:
 
 
 @dataclass(frozen=True, slots=True)
+class StagedWrite:
+    """A destination write sent staged (docs/wire.md#staged-transfers): gather the
+    plan's copies into the blob at ``source_offset`` of this rank's staging region
+    (:func:`tspd.core.staging.gather_blob`; a copy's source offset is its ``src``
+    minus ``src_base``, its table entry's destination offset its ``dst`` minus
+    ``dst_base``), then write the ``length`` blob bytes from ``source_addr`` to
+    ``dest_addr`` (the Decode's slot) instead of the plan's copies."""
+
+    source_offset: int
+    source_addr: int
+    dest_addr: int
+    length: int
+    src_base: int
+    dst_base: int
+
+
+@dataclass(frozen=True, slots=True)
 class DestinationWrite:
     """One destination's copies in one interval of a transfer.
 
@@ -102,6 +123,8 @@ class DestinationWrite:
     endpoint: str
     port: int
     plan: CopyPlan
+    #: Send the plan staged instead of copy by copy (tspd peers that offered it).
+    staged: StagedWrite | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,11 +260,33 @@ class Rejected:
 
 #: What :class:`~tspd.core.prefill.PrefillCore` queues: the shared commands, and route
 #: closes and transfers. Its shell executes it with an exhaustive ``match``.
+@dataclass(frozen=True, slots=True)
+class ScatterStaged:
+    """Decode: Prefill rank ``prefill_rank`` wrote room ``room``'s blob of
+    ``staged_bytes`` into this rank's staging slot at ``slot_offset`` (of
+    ``slot_length`` bytes). Read and check its table
+    (:func:`tspd.core.staging.read_blob_table`, every range inside ``starts``/``ends``,
+    the room's own page bytes: :func:`tspd.core.staging.check_within`), copy its
+    data into the arena (:func:`tspd.core.staging.scatter_blob`), then call
+    ``staged_done(room, prefill_rank, error_or_None, now)``. Until then the room's
+    pages stay held and the room is not complete."""
+
+    room: int
+    prefill_rank: int
+    slot_offset: int
+    slot_length: int
+    staged_bytes: int
+    starts: Int64Array = field(repr=False, compare=False)
+    ends: Int64Array = field(repr=False, compare=False)
+
+
 PrefillCommand = SendFrames | CloseRoute | StartTransfer | RoomFailed | Log | Rejected
 
 #: What :class:`~tspd.core.decode.DecodeCore` queues: the shared commands, and
 #: bootstrap-server lookups.
-DecodeCommand = SendFrames | FetchParallelInfo | FetchRankInfo | RoomFailed | Log | Rejected
+DecodeCommand = (
+    SendFrames | FetchParallelInfo | FetchRankInfo | ScatterStaged | RoomFailed | Log | Rejected
+)
 
 #: Any core's command, for consumers that take either side's (the simulator, the
 #: observers, the logs and metrics).
@@ -251,6 +296,7 @@ Command = (
     | StartTransfer
     | FetchParallelInfo
     | FetchRankInfo
+    | ScatterStaged
     | RoomFailed
     | Log
     | Rejected

@@ -27,6 +27,8 @@ from tspd.core.topology import MAX_CACHE_TP_SIZE, ParallelTopology
 
 __all__ = [
     "DEFAULT_BOOTSTRAP_PORT",
+    "DEFAULT_STAGING_MIN_BYTES",
+    "DEFAULT_STAGING_MIN_COPIES",
     "ENV_BOOTSTRAP_PROTECT_GET",
     "ENV_BOOTSTRAP_TIMEOUT",
     "ENV_BOOTSTRAP_TOKEN_FILE",
@@ -48,6 +50,7 @@ __all__ = [
     "PDEnv",
     "SecurityEnv",
     "check_rank_config",
+    "check_staging",
     "parse_bool",
     "parse_pd_env",
     "parse_security_env",
@@ -193,6 +196,30 @@ def parse_pd_env(environ: Mapping[str, str], *, prefill: bool = True) -> PDEnv:
             f"{ENV_QUEUE_SIZE}={env.queue_size}."
         )
     return env
+
+
+#: A Prefill rank stages a destination's write only when its coalesced plan has at
+#: least this many copies: Mooncake over TCP pays tens of µs a descriptor, so a plan
+#: of many small copies is what staging speeds up (docs/wire.md#staged-transfers).
+DEFAULT_STAGING_MIN_COPIES: Final = 64
+
+#: A Decode rank offers a staging slot only for a room of at least this many bytes
+#: on this rank: below it, the slot's memory is better left to larger rooms.
+DEFAULT_STAGING_MIN_BYTES: Final = 1 << 20
+
+_MAX_STAGING_ADDRESS: Final = 1 << 62
+
+
+def check_staging(size: int, base: int) -> None:
+    """Refuse a staging region that cannot be one (:class:`ConfigError`): a negative
+    size, or a base and size past the 64-bit address range tspd plans in."""
+    if size < 0:
+        raise ConfigError(f"the staging region size must not be negative, got {size}")
+    if base < 0 or base + size > _MAX_STAGING_ADDRESS:
+        raise ConfigError(
+            f"the staging region (base {base:#x}, {size} bytes) must lie below "
+            f"{_MAX_STAGING_ADDRESS:#x}"
+        )
 
 
 def check_rank_config(

@@ -49,10 +49,17 @@ from tspd.core.commands import (
     Rejected,
     RejectReason,
     RemotePrefillDone,
+    ScatterStaged,
     SendFrames,
 )
-from tspd.core.config import check_rank_config, parse_pd_env
+from tspd.core.config import (
+    DEFAULT_STAGING_MIN_BYTES,
+    check_rank_config,
+    check_staging,
+    parse_pd_env,
+)
 from tspd.core.contract import CacheContract, check_local_contract, parse_contract
+from tspd.core.copies import Int64Array
 from tspd.core.errors import ConfigError, ProtocolError, TspdError
 from tspd.core.machines import (
     DECODE_ROOM_TABLE,
@@ -69,6 +76,7 @@ from tspd.core.poll import TransferPoll
 from tspd.core.rank import RankCore, TrackedRequest
 from tspd.core.reasons import Failure, ReasonClass
 from tspd.core.rooms import RoomClocks
+from tspd.core.staging import SlotPool, blob_length, room_ranges
 from tspd.core.topology import ParallelTopology
 from tspd.core.trace import Mark, Side, TraceConfig
 
@@ -121,6 +129,10 @@ class DecodeConfig:
     rank must match, and a topology tspd cannot plan for (context parallelism) is
     refused here. ``test_failure_prob``/``test_failure_seed``: poll-time fault
     injection (:class:`~tspd.core.poll.FaultInjection`), for tests only.
+    ``staging_bytes``/``staging_base``: this rank's staging region for staged
+    transfers (docs/wire.md#staged-transfers; ``0`` bytes: off, the plain protocol
+    only); the shell sets the base. ``staging_min_bytes``: a slot is offered only
+    for a room of at least this many bytes on this rank.
 
     :meth:`from_env` builds one with defaults from TokenSpeed's environment
     variables (:mod:`tspd.core.config`).
@@ -140,10 +152,14 @@ class DecodeConfig:
     topology: ParallelTopology | None = None
     test_failure_prob: float = 0.0
     test_failure_seed: int | None = None
+    staging_bytes: int = 0
+    staging_base: int = 0
+    staging_min_bytes: int = DEFAULT_STAGING_MIN_BYTES
 
     def __post_init__(self) -> None:
         check_rank_config(self.tp_size, self.tp_rank, self.topology, self.test_failure_prob)
         check_local_contract(self.contract)
+        check_staging(self.staging_bytes, self.staging_base)
         if self.waiting_timeout <= 0:
             raise ConfigError(f"the waiting timeout must be positive, got {self.waiting_timeout}")
         if self.quarantine_timeout < 0:
@@ -210,6 +226,17 @@ class _Completion:
     bootstrap_logprob: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """A staging slot offered to one Prefill rank for one room, with the room's page
+    bytes on this rank (what its blob may write)."""
+
+    offset: int
+    length: int
+    starts: Int64Array
+    ends: Int64Array
+
+
 @dataclass(slots=True)
 class _Address:
     """What is cached for one Prefill bootstrap address while it is healthy."""
@@ -269,6 +296,13 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         self._waiting_warned = False
         #: The agreed "pages free" flags of the conclude in progress.
         self._free: Sequence[int] = ()
+        #: Staged transfers (docs/wire.md#staged-transfers): this rank's staging
+        #: region, the slots offered per room and Prefill rank, and the staged
+        #: Success statuses whose blob is being scattered.
+        staging = config.staging_bytes > 0 and config.staging_base > 0
+        self._staging = SlotPool(config.staging_bytes) if staging else None
+        self._slots: dict[int, dict[int, _Slot]] = {}
+        self._scattering: dict[int, dict[int, wire.StatusMessage]] = {}
         try:
             registration = wire.encode_registration(
                 wire.Registration(
@@ -288,6 +322,20 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
                 "status endpoint, port, session id and arena base it was started with)"
             ) from err
         self._registration_frames = tuple(registration)
+        self._staged_registration_frames = (
+            (
+                *self._registration_frames,
+                wire.encode_staging_region(config.staging_base, config.staging_bytes),
+            )
+            if staging
+            else None
+        )
+
+    def _registration_for(self, info: RankInfo) -> tuple[bytes, ...]:
+        """The registration to send a Prefill rank: with this rank's staging region
+        when both offer staged transfers."""
+        staged = self._staged_registration_frames
+        return staged if staged is not None and info.staging else self._registration_frames
 
     # ------------------------------------------------------------------ queries
 
@@ -321,6 +369,8 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
             "rank_infos": len(self._rank_infos),
             "registered_ranks": len(self._registered),
             "held_rooms": len(self._held),
+            "staging_slots": sum(len(slots) for slots in self._slots.values()),
+            "scattering": len(self._scattering),
         }
 
     # ------------------------------------------------------------------ room helpers
@@ -335,6 +385,8 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         self._completions.pop(room, None)
         self._waiting_since.pop(room)
         self._waiting_unchecked.pop(room)
+        if room not in self._held:
+            self._free_slots(room)
         tracked = self._tracker.get(receiver.addr)
         if tracked is not None:
             tracked.discard(room)
@@ -491,11 +543,7 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         old = self._rank_infos.get(key)
         if isinstance(info, str) or old is None:
             return  # Liveness is the heartbeat's call; keep what is cached.
-        if (old.rank_ip, old.rank_port, old.curve_key) == (
-            info.rank_ip,
-            info.rank_port,
-            info.curve_key,
-        ):
+        if old == info:
             return
         bootstrap_addr, dp_group, engine_rank = key
         self._rank_infos[key] = info
@@ -521,7 +569,9 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
             LogLevel.WARNING, f"{failure.message}; registering again, {affected} requests failed"
         )
         self._registered.add(key)
-        self._commands.append(SendFrames(info.rank_ip, info.rank_port, self._registration_frames))
+        self._commands.append(
+            SendFrames(info.rank_ip, info.rank_port, self._registration_for(info))
+        )
 
     def _routed(self, room: int, bootstrap_addr: str, now: float) -> None:
         route = self._routes[room]
@@ -531,7 +581,7 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
                 info = self._rank_infos[key]
                 self._registered.add(key)
                 self._commands.append(
-                    SendFrames(info.rank_ip, info.rank_port, self._registration_frames, room)
+                    SendFrames(info.rank_ip, info.rank_port, self._registration_for(info), room)
                 )
         self._rooms.fire(room, DecodeTrigger.ROUTED)
         self._trace.mark(room, Mark.BOOTSTRAPPED, now)
@@ -599,6 +649,10 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         for target, info in zip(route.targets, infos, strict=True):
             assert info is not None
             frames = full if target in route.expected else empty
+            if frames is full and info.staging and self._staging is not None:
+                slot = self._offer_slot(room, target, manifest, receiver.addr)
+                if slot is not None:
+                    frames = [*full, wire.encode_staging_slot(*slot)]
             self._commands.append(SendFrames(info.rank_ip, info.rank_port, tuple(frames), room))
         receiver.preallocated = True
         self._rooms.fire(room, DecodeTrigger.PREALLOCATED)
@@ -644,6 +698,9 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
             return
         room = message.room
         status = message.status
+        if status is TransferPoll.SUCCESS and message.staged_bytes:
+            self._staged_success(message, now)
+            return
         if status is TransferPoll.SUCCESS or status is TransferPoll.FAILED:
             self._ended_by(room, message.prefill_rank)
         state = self._rooms.state(room)
@@ -655,6 +712,129 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
             self._completed_by(room, message, now)
         else:
             self._progress_from(room, message, now)
+
+    def _staged_success(self, message: wire.StatusMessage, now: float) -> None:
+        """A ``Success`` whose bytes are a blob in this rank's staging slot
+        (docs/wire.md#staged-transfers): the room completes for that Prefill rank only
+        once the blob is checked and scattered (:class:`ScatterStaged`, then
+        :meth:`staged_done`). Until then the rank counts as a writer of the room's
+        pages, so a room that fails meanwhile keeps them held."""
+        room, rank, size = message.room, message.prefill_rank, message.staged_bytes
+        state = self._rooms.state(room)
+        rid = self._rid_of_room.get(room)
+        receiver = self._requests.get(rid) if rid is not None else None
+        if receiver is not None and rank in receiver.ended_by:
+            self._log(
+                LogLevel.DEBUG,
+                f"ignoring a repeated staged Success for room {room} from Prefill rank {rank}",
+                room,
+            )
+            return
+        if rank in self._scattering.get(room, {}):
+            return
+        slot = self._slots.get(room, {}).get(rank)
+        if state in (RoomState.ABSENT, RoomState.FAILED):
+            self._ended_by(room, rank)
+            return
+        if slot is None or size > slot.length:
+            self._ended_by(room, rank)
+            self._fail(
+                room,
+                Failure(
+                    ReasonClass.TRANSFER,
+                    f"Prefill rank {rank} reported room {room} written as a {size}-byte staged "
+                    + (
+                        "blob, but this Decode rank offered it no staging slot"
+                        if slot is None
+                        else f"blob, larger than the {slot.length}-byte slot offered"
+                    ),
+                ),
+                now,
+            )
+            return
+        self._scattering.setdefault(room, {})[rank] = message
+        self._commands.append(
+            ScatterStaged(room, rank, slot.offset, slot.length, size, slot.starts, slot.ends)
+        )
+
+    def staged_done(self, room: int, prefill_rank: int, error: str | None, now: float) -> None:
+        """The answer to :class:`ScatterStaged`: the blob was scattered into the room's
+        pages (``error`` ``None``), or refused with ``error`` (the room fails). Either
+        way the Prefill rank no longer writes the room's pages."""
+        pending = self._scattering.get(room)
+        message = pending.pop(prefill_rank, None) if pending is not None else None
+        if message is None:
+            return
+        if not pending:
+            del self._scattering[room]
+        self._ended_by(room, prefill_rank)
+        if self._rooms.state(room) in (RoomState.ABSENT, RoomState.FAILED):
+            return
+        if error is not None:
+            self._fail(
+                room,
+                Failure(
+                    ReasonClass.TRANSFER,
+                    f"the staged blob of room {room} from Prefill rank {prefill_rank} was "
+                    f"refused: {error}",
+                ),
+                now,
+            )
+            return
+        self._completed_by(room, message, now)
+
+    def _offer_slot(
+        self, room: int, target: int, manifest: BlockManifest, bootstrap_addr: str
+    ) -> tuple[int, int] | None:
+        """A staging slot for ``room``'s blob from Prefill rank ``target``, when the
+        room is large enough and this rank's staging region has room; ``None``
+        otherwise (that rank then writes in place)."""
+        pool = self._staging
+        assert pool is not None
+        slots = self._slots.get(room)
+        ranges = next(iter(slots.values())) if slots else None
+        if ranges is None:
+            starts, ends = room_ranges(self.config.contract, manifest)
+        else:
+            starts, ends = ranges.starts, ranges.ends
+        room_bytes = int((ends - starts).sum())
+        if room_bytes < self.config.staging_min_bytes:
+            return None
+        # Table entries: one per copy of the rank's plan at most, a copy per field
+        # page and row of its fragments (one row for a whole copy). A plan of more
+        # copies does not fit and is written in place.
+        contract = self.config.contract
+        address = self._addresses.get(bootstrap_addr)
+        planner = address.planner if address is not None else None
+        fragments = (
+            planner.plan(self.config.tp_rank).fragments_by_prefill_rank.get(target, ())
+            if isinstance(planner, RoutePlanner)
+            else ()
+        )
+        rows = max((f.rows_per_page for f in fragments), default=1)
+        entries = rows * sum(
+            len(group.block_ids) * len(contract.fields_for_group(group.group_id))
+            for group in manifest.groups
+        )
+        length = blob_length(entries, room_bytes)
+        offset = pool.alloc(length)
+        if offset is None:
+            self._log(
+                LogLevel.DEBUG,
+                f"room {room} is not offered staging by Prefill rank {target}: this rank's "
+                f"staging region has no {length}-byte hole now",
+                room,
+            )
+            return None
+        self._slots.setdefault(room, {})[target] = _Slot(offset, length, starts, ends)
+        return offset, length
+
+    def _free_slots(self, room: int) -> None:
+        """Return the room's staging slots: no Prefill rank writes them any more."""
+        slots = self._slots.pop(room, None)
+        if slots is not None and self._staging is not None:
+            for slot in slots.values():
+                self._staging.free(slot.offset)
 
     def _sent_by_rank(self, message: wire.StatusMessage, sender: str) -> bool:
         """Secure mode: whether ``sender`` is the CURVE key the bootstrap route gave for
@@ -804,7 +984,7 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
                 info = self._rank_infos.get(key)
                 if info is not None:
                     self._commands.append(
-                        SendFrames(info.rank_ip, info.rank_port, self._registration_frames)
+                        SendFrames(info.rank_ip, info.rank_port, self._registration_for(info))
                     )
 
     def _forget_routes(self, bootstrap_addr: str) -> None:
@@ -896,8 +1076,14 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         # Then one value per held room, in the order they failed: 1 when this rank
         # may reuse its pages (the MIN releases them once every rank may).
         bound = self.config.quarantine_timeout
-        for held in self._held.values():
-            append(1 if not held.writers or now - held.since >= bound else 0)
+        scattering = self._scattering
+        for room, held in self._held.items():
+            # A blob being scattered into the room's pages holds them past any bound.
+            append(
+                1
+                if room not in scattering and (not held.writers or now - held.since >= bound)
+                else 0
+            )
         return values
 
     def conclude(self, agreed: Sequence[int], now: float) -> list[Event]:
@@ -960,6 +1146,7 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         for (room, entry), value in zip(held, agreed, strict=True):
             if value == 1:
                 del self._held[room]
+                self._free_slots(room)
                 timed_out = bool(entry.writers) and now - entry.since >= bound
                 if timed_out:
                     self._log(

@@ -43,6 +43,7 @@ waiting for their own timeout.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Self
@@ -59,11 +60,17 @@ from tspd.core.commands import (
     Rejected,
     RejectReason,
     SendFrames,
+    StagedWrite,
     StartTransfer,
     Succeeded,
     TransferInterval,
 )
-from tspd.core.config import check_rank_config, parse_pd_env
+from tspd.core.config import (
+    DEFAULT_STAGING_MIN_COPIES,
+    check_rank_config,
+    check_staging,
+    parse_pd_env,
+)
 from tspd.core.contract import CacheContract, check_local_contract
 from tspd.core.copies import plan_steps
 from tspd.core.errors import ConfigError, PlanError, ProtocolError, TspdError
@@ -91,6 +98,7 @@ from tspd.core.rank import RankCore, TrackedRequest
 from tspd.core.reasons import Failure, ReasonClass
 from tspd.core.rooms import RoomClocks
 from tspd.core.schedule import ProducerSchedule, StepReservation, interval_targets
+from tspd.core.staging import SlotPool, blob_length
 from tspd.core.topology import ParallelTopology
 from tspd.core.trace import Mark, Side, TraceConfig
 
@@ -191,6 +199,11 @@ class PrefillConfig:
     rank must match, and a topology tspd cannot plan for (context parallelism) is
     refused here. ``test_failure_prob``/``test_failure_seed``: poll-time fault
     injection (:class:`~tspd.core.poll.FaultInjection`), for tests only.
+    ``staging_bytes``/``staging_base``: this rank's staging region for staged
+    transfers (docs/wire.md#staged-transfers; ``0`` bytes: off, the plain protocol
+    only); the shell sets the base. ``staging_min_copies``: a destination's write is
+    staged only when its coalesced plan has at least this many copies (fewer,
+    larger copies go faster as they are).
 
     :meth:`from_env` builds one with defaults from TokenSpeed's environment
     variables (:mod:`tspd.core.config`).
@@ -213,10 +226,18 @@ class PrefillConfig:
     topology: ParallelTopology | None = None
     test_failure_prob: float = 0.0
     test_failure_seed: int | None = None
+    staging_bytes: int = 0
+    staging_base: int = 0
+    staging_min_copies: int = DEFAULT_STAGING_MIN_COPIES
 
     def __post_init__(self) -> None:
         check_rank_config(self.tp_size, self.tp_rank, self.topology, self.test_failure_prob)
         check_local_contract(self.contract)
+        check_staging(self.staging_bytes, self.staging_base)
+        if self.staging_min_copies < 1:
+            raise ConfigError(
+                f"staging_min_copies must be at least 1, got {self.staging_min_copies}"
+            )
         if self.transfer_workers < 1:
             raise ConfigError(
                 f"a Prefill rank needs at least one transfer worker, got {self.transfer_workers}"
@@ -287,6 +308,8 @@ class _Destination:
     session_id: str
     #: ``None`` for a dummy pre-allocation (this rank only joins the agreement).
     manifest: BlockManifest | None
+    #: The staging slot ``(offset, length)`` the Decode offered for the room.
+    slot: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -314,6 +337,8 @@ class _PerRoom:
     #: Rooms whose outgoing transfer started -> its state
     #: (:data:`~tspd.core.machines.PREFILL_TRANSFER`); absent: nothing went out yet.
     transfers: dict[int, TransferState] = field(default_factory=dict)
+    #: Staged rooms -> destination session -> blob bytes (for their Success status).
+    staged: dict[int, dict[str, int]] = field(default_factory=dict)
 
     def transfer(self, room: int) -> TransferState:
         """The room's outgoing transfer state."""
@@ -338,6 +363,25 @@ class _PerRoom:
         self.usage.pop(room, None)
         self.metadata.pop(room, None)
         self.transfers.pop(room, None)
+        self.staged.pop(room, None)
+
+
+def _check_slot(slot: tuple[int, int], region: tuple[int, int] | None, dummy: bool) -> None:
+    """A pre-allocation's staging slot must lie inside the staging region its session
+    registered (docs/wire.md#staged-transfers)."""
+    offset, length = slot
+    if region is None:
+        raise PlanError(
+            f"it offers a staging slot (offset {offset}, {length} bytes), but its Decode "
+            "session registered no staging region"
+        )
+    if dummy:
+        raise PlanError("it offers a staging slot for a rendezvous-only pre-allocation")
+    if offset + length > region[1]:
+        raise PlanError(
+            f"its staging slot (offset {offset}, {length} bytes) ends past the session's "
+            f"{region[1]}-byte staging region"
+        )
 
 
 class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
@@ -374,6 +418,14 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
         self._writing: dict[int, int] = {}
         #: Rooms -> routes whose Failed notice waits for the room's writes to end.
         self._deferred_notices: dict[int, list[tuple[str, int]]] = {}
+        #: This rank's staging region, when staged transfers are on
+        #: (docs/wire.md#staged-transfers), and the blobs each room holds in it.
+        self._staging = (
+            SlotPool(config.staging_bytes)
+            if config.staging_bytes > 0 and config.staging_base > 0
+            else None
+        )
+        self._staging_held: dict[int, list[int]] = {}
         self._steps = StepReservation()
         self._stall_logged_at: float | None = None
         #: Requests still bootstrapping past the stall age, seen by this conclude.
@@ -463,6 +515,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
             "failed_room_memory": len(self._failed_rooms),
             "writing_rooms": len(self._writing),
             "deferred_notices": len(self._deferred_notices),
+            "staged_rooms": len(self._staging_held),
         }
 
     # ------------------------------------------------------------------ room helpers
@@ -620,7 +673,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
         """Secure mode: whether ``sender`` may register the session the registration
         names (see :meth:`receive_control`); if so, the session is bound to it."""
         try:
-            route = wire.decode_registration_route(frames)
+            route = wire.decode_registration_route(frames, staging=self._staging is not None)
         except TspdError:
             return True  # refused as malformed by the handler, binding nothing
         session_id = route.session_id
@@ -651,7 +704,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
 
     def _handle_registration(self, frames: list[bytes], now: float) -> None:
         try:
-            registration = wire.decode_registration(frames)
+            registration = wire.decode_registration(frames, staging=self._staging is not None)
             planned = plan_registration(
                 prefill_tp=self.config.tp_size,
                 prefill_rank=self.config.tp_rank,
@@ -696,7 +749,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
 
     def _reject_registration(self, frames: list[bytes], reason: str, now: float) -> None:
         try:
-            route = wire.decode_registration_route(frames)
+            route = wire.decode_registration_route(frames, staging=self._staging is not None)
         except TspdError as err:
             self._reject(
                 RejectReason.MALFORMED_REGISTRATION,
@@ -775,7 +828,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
         self, frames: list[bytes], now: float, sender: str | None = None
     ) -> None:
         try:
-            preallocation = wire.decode_preallocation(frames)
+            preallocation = wire.decode_preallocation(frames, staging=self._staging is not None)
         except TspdError as err:
             self._reject(
                 RejectReason.MALFORMED_PREALLOCATION,
@@ -838,10 +891,13 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
             raise PlanError(_KIND)
         if manifest is not None:
             validate_manifest(manifest, registered.registration.contract, "destination")
+        slot = preallocation.slot
+        if slot is not None:
+            _check_slot(slot, registered.registration.staging, manifest is None)
         destinations = list(self._per_room.destinations.get(room, ()))
         if any(d.session_id == session_id for d in destinations):
             raise PlanError(_DUPLICATE)
-        destinations.append(_Destination(session_id, manifest))
+        destinations.append(_Destination(session_id, manifest, slot))
         expected = len(registered.planned.expected_decode_ranks)
         if len(destinations) > expected:
             raise PlanError(_FANOUT)
@@ -1083,7 +1139,70 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
             return
         self._per_room.metadata[room] = metadata
         self._per_room.fire(room, TransferTrigger.HAND_OVER)
-        self._start(room, destinations, ((None, writes[0]),), final=True, now=now)
+        staged = self._stage(room, destinations, writes[0]) if self._staging else writes[0]
+        self._start(room, destinations, ((None, staged),), final=True, now=now)
+
+    def _stage(
+        self,
+        room: int,
+        destinations: Sequence[_Destination],
+        writes: tuple[DestinationWrite, ...],
+    ) -> tuple[DestinationWrite, ...]:
+        """The writes of a full transfer, each sent staged where the destination
+        offered a slot, the plan has at least ``staging_min_copies`` copies, its blob
+        fits the slot and this rank's staging region has room for it
+        (docs/wire.md#staged-transfers); the others as they are."""
+        pool = self._staging
+        slots = {d.session_id: d.slot for d in destinations if d.slot is not None}
+        if pool is None or not slots:
+            return writes
+        out: list[DestinationWrite] = []
+        sizes: dict[str, int] = {}
+        held: list[int] = []
+        for write in writes:
+            slot = slots.get(write.session_id)
+            registered = self._registrations.get(write.session_id)
+            region = registered.registration.staging if registered is not None else None
+            copies = len(write.plan)
+            if (
+                slot is None
+                or registered is None
+                or region is None
+                or copies < self.config.staging_min_copies
+            ):
+                out.append(write)
+                continue
+            length = blob_length(copies, write.plan.total_bytes)
+            offset = pool.alloc(length) if length <= slot[1] else None
+            if offset is None:
+                self._log(
+                    LogLevel.DEBUG,
+                    f"room {room} goes to Decode session {write.session_id} unstaged: its "
+                    f"{length}-byte blob "
+                    + (
+                        f"exceeds the {slot[1]}-byte slot offered"
+                        if length > slot[1]
+                        else "does not fit this rank's staging region now"
+                    ),
+                    room,
+                )
+                out.append(write)
+                continue
+            held.append(offset)
+            sizes[write.session_id] = length
+            staged = StagedWrite(
+                source_offset=offset,
+                source_addr=self.config.staging_base + offset,
+                dest_addr=region[0] + slot[0],
+                length=length,
+                src_base=self.config.arena_base,
+                dst_base=registered.registration.arena_base,
+            )
+            out.append(dataclasses.replace(write, staged=staged))
+        if held:
+            self._staging_held[room] = held
+            self._per_room.staged[room] = sizes
+        return tuple(out)
 
     def _plan_writes(
         self,
@@ -1273,12 +1392,16 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
                 bootstrap_logprob=usage.bootstrap_logprob,
             )
         )
+        staged = self._per_room.staged.pop(room, {})
         for destination in self._per_room.destinations.get(room, ()):
             if destination.manifest is None:
                 continue
             route = self._route_of(destination.session_id)
-            if route is not None:
-                self._send(route, frames, room)
+            if route is None:
+                continue
+            blob = staged.get(destination.session_id, 0)
+            # A staged destination's Success carries the blob's length (frame 7).
+            self._send(route, [*frames, b"%d" % blob] if blob else frames, room)
         self._rooms.fire(room, PrefillTrigger.TRANSFER_SUCCEEDED)
         self._per_room.fire(room, TransferTrigger.REPORTED)
         self._per_room.destinations.pop(room, None)
@@ -1296,6 +1419,9 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
             self._writing[room] = left
             return
         self._writing.pop(room, None)
+        if self._staging is not None:
+            for offset in self._staging_held.pop(room, ()):
+                self._staging.free(offset)
         for route in self._deferred_notices.pop(room, ()):
             self._notify_failed(route, room)
 

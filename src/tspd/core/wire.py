@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from tspd.core.contract import MAX_CONTRACT_BYTES, CacheContract, parse_contract
+from tspd.core.copies import MAX_ADDRESS
 from tspd.core.errors import ContractError, WireError
 from tspd.core.manifest import MAX_MANIFEST_BYTES, BlockManifest, parse_manifest
 from tspd.core.poll import TransferPoll
@@ -76,6 +77,8 @@ __all__ = [
     "encode_embedding_status",
     "encode_preallocation",
     "encode_registration",
+    "encode_staging_region",
+    "encode_staging_slot",
     "encode_status",
     "encode_uint",
     "endpoint_problem",
@@ -109,6 +112,10 @@ _MAX_TOKEN: Final = 2**63 - 1
 
 _REGISTRATION_FRAMES: Final = 8
 _PREALLOCATION_FRAMES: Final = 3
+# tspd's staged-transfer extension (docs/wire.md#staged-transfers): one more frame on
+# each message, sent only between tspd peers that both enabled it.
+_STAGED_REGISTRATION_FRAMES: Final = 9
+_STAGED_PREALLOCATION_FRAMES: Final = 4
 _ZERO: Final = 48  # ord("0")
 
 # What the receiving sockets accept (libzmq's ZMQ_MAXMSGSIZE bounds each frame, not
@@ -119,13 +126,13 @@ _ZERO: Final = 48  # ord("0")
 #: most 512 bytes (the session id).
 MAX_CONTROL_FRAME_BYTES: Final = max(MAX_MANIFEST_BYTES, MAX_CONTRACT_BYTES, MAX_SESSION_CHARS)
 #: Prefill control socket: a registration's 8 frames (a pre-allocation has 3).
-MAX_CONTROL_FRAMES: Final = _REGISTRATION_FRAMES
+MAX_CONTROL_FRAMES: Final = _STAGED_REGISTRATION_FRAMES
 #: Decode status socket: the candidate frame, 4 bytes a candidate (16 KiB); the
 #: integer frames are at most 20 bytes and the logprob 8 (docs/protocol.md#proto-status).
 MAX_STATUS_FRAME_BYTES: Final = 4 * MAX_SPEC_CANDIDATES
 #: Decode status socket: the 7-frame form (docs/protocol.md#proto-status,
 #: docs/protocol.md#proto-compat-choices).
-MAX_STATUS_FRAMES: Final = 7
+MAX_STATUS_FRAMES: Final = 8
 
 _MSG_HEADER: Final = "Rejecting malformed Mooncake bootstrap message header"
 _MSG_REGISTRATION_FRAMES: Final = "CachePD slab registration requires exactly 8 frames"
@@ -140,6 +147,7 @@ _STATUS_PREFIX: Final = "Rejecting malformed Prefill status message: "
 _EMBEDDING_PREFIX: Final = "Rejecting malformed EPD embedding status message: "
 
 _U64: Final = struct.Struct("<Q")
+_U64_PAIR: Final = struct.Struct("<QQ")
 _F64: Final = struct.Struct("<d")
 # Frames of the status values, so encoding a status allocates nothing for it.
 _POLL_FRAMES: Final[dict[int, bytes]] = {poll: b"%d" % poll for poll in TransferPoll}
@@ -313,6 +321,10 @@ class Registration:
     contract_bytes: bytes = field(compare=False, repr=False)
     decode_tp_size: int
     decode_tp_rank: int
+    #: The Decode rank's staging region ``(base address, size in bytes)`` for staged
+    #: transfers (frame 8, tspd's extension, docs/wire.md#staged-transfers); ``None``:
+    #: the plain 8-frame registration.
+    staging: tuple[int, int] | None = None
 
     @property
     def route(self) -> RouteHeader:
@@ -320,13 +332,17 @@ class Registration:
         return RouteHeader(self.endpoint, self.port, self.session_id)
 
 
-def decode_registration_route(frames: list[bytes]) -> RouteHeader:
+def decode_registration_route(frames: list[bytes], *, staging: bool = False) -> RouteHeader:
     """Decode a registration's route header, checking frames 0, 1, 3, 2 in that order
     (docs/protocol.md#proto-registration) and nothing else. The endpoint must also
     pass :func:`endpoint_problem`: an endpoint no socket can connect to is no route
     (the registration is dropped, docs/protocol.md#proto-registration-handling), and
-    the error says why."""
-    if len(frames) != _REGISTRATION_FRAMES or frames[0] != REGISTRATION_MARKER:
+    the error says why. ``staging``: this rank offers staged transfers, so the
+    9-frame form (docs/wire.md#staged-transfers) is accepted too."""
+    count = len(frames)
+    if (
+        count != _REGISTRATION_FRAMES and not (staging and count == _STAGED_REGISTRATION_FRAMES)
+    ) or frames[0] != REGISTRATION_MARKER:
         raise WireError(_MSG_REGISTRATION_FRAMES)
     endpoint = _ascii(frames[1], MAX_ENDPOINT_CHARS, _MSG_ENDPOINT)
     problem = endpoint_problem(endpoint)
@@ -337,16 +353,21 @@ def decode_registration_route(frames: list[bytes]) -> RouteHeader:
     return RouteHeader(endpoint, port, session_id)
 
 
-def decode_registration(frames: list[bytes], *, compat: bool = False) -> Registration:
+def decode_registration(
+    frames: list[bytes], *, compat: bool = False, staging: bool = False
+) -> Registration:
     """Decode and validate a registration (docs/protocol.md#proto-registration).
 
     Check order: route header (frames 0, 1, 3, 2), pointer length (4), contract (5),
-    ``decode_tp_size`` (6), ``decode_tp_rank`` (7), pointer non-zero (4). Contract
+    ``decode_tp_size`` (6), ``decode_tp_rank`` (7), pointer non-zero (4), then the
+    staging region (8) when present. Contract
     errors are :class:`ContractError` with the messages of
     docs/protocol.md#proto-contract-errors; ``compat`` is passed to
     :func:`~tspd.core.contract.parse_contract` (accept the S3 group-spec keys).
+    ``staging``: accept the 9-frame form whose frame 8 is the Decode's staging
+    region (docs/wire.md#staged-transfers).
     """
-    route = decode_registration_route(frames)
+    route = decode_registration_route(frames, staging=staging)
     pointer = frames[4]
     if len(pointer) != 8:
         raise WireError(_MSG_POINTER_LENGTH)
@@ -357,6 +378,7 @@ def decode_registration(frames: list[bytes], *, compat: bool = False) -> Registr
     (arena_base,) = _U64.unpack(pointer)
     if arena_base == 0:
         raise WireError(_MSG_POINTER_ZERO)
+    region = _staging_region(frames[8]) if len(frames) == _STAGED_REGISTRATION_FRAMES else None
     return Registration(
         endpoint=route.endpoint,
         port=route.port,
@@ -366,7 +388,44 @@ def decode_registration(frames: list[bytes], *, compat: bool = False) -> Registr
         contract_bytes=contract_bytes,
         decode_tp_size=tp_size,
         decode_tp_rank=tp_rank,
+        staging=region,
     )
+
+
+def _staging_region(frame: bytes) -> tuple[int, int]:
+    if len(frame) != _U64_PAIR.size:
+        raise WireError(
+            f"tspd staging region frame must be 16 bytes (base, size), got {len(frame)}"
+        )
+    base, size = _U64_PAIR.unpack(frame)
+    if base == 0 or size == 0 or base + size > MAX_ADDRESS:
+        raise WireError(
+            f"tspd staging region (base {base:#x}, {size} bytes) must have a non-zero base "
+            f"and size and end below {MAX_ADDRESS:#x}"
+        )
+    return base, size
+
+
+def encode_staging_region(base: int, size: int) -> bytes:
+    """Frame 8 of a staged registration: the Decode rank's staging region
+    (docs/wire.md#staged-transfers), base and size as two unsigned 64-bit
+    little-endian integers."""
+    if not (0 <= base < 2**64 and 0 <= size < 2**64):
+        raise WireError(f"tspd staging region (base {base:#x}, {size} bytes) does not fit 64 bits")
+    frame = _U64_PAIR.pack(base, size)
+    _staging_region(frame)
+    return frame
+
+
+def encode_staging_slot(offset: int, length: int) -> bytes:
+    """Frame 3 of a staged pre-allocation: the slot offered, offset into the staging
+    region and length, as two unsigned 64-bit little-endian integers
+    (docs/wire.md#staged-transfers)."""
+    if not (0 <= offset < 2**64 and 0 <= length < 2**64):
+        raise WireError(f"tspd staging slot (offset {offset}, {length} bytes) does not fit 64 bits")
+    frame = _U64_PAIR.pack(offset, length)
+    _staging_slot(frame)
+    return frame
 
 
 def encode_registration(registration: Registration) -> list[bytes]:
@@ -393,7 +452,7 @@ def encode_registration(registration: Registration) -> list[bytes]:
         raise WireError("CachePD decode_tp_size is out of range")
     if not 0 <= reg.decode_tp_rank < reg.decode_tp_size:
         raise WireError("CachePD decode_tp_rank is out of range")
-    return [
+    frames = [
         REGISTRATION_MARKER,
         endpoint,
         encode_uint(reg.port),
@@ -403,6 +462,9 @@ def encode_registration(registration: Registration) -> list[bytes]:
         encode_uint(reg.decode_tp_size),
         encode_uint(reg.decode_tp_rank),
     ]
+    if reg.staging is not None:
+        frames.append(encode_staging_region(*reg.staging))
+    return frames
 
 
 # ---------------------------------------------------------------------- pre-allocation
@@ -422,6 +484,9 @@ class Preallocation:
     room: int
     session_id: str
     manifest_bytes: bytes = field(repr=False)
+    #: The Decode staging slot ``(offset into its staging region, length)`` offered
+    #: for this room (frame 3, tspd's extension, docs/wire.md#staged-transfers).
+    slot: tuple[int, int] | None = None
 
     @property
     def is_dummy(self) -> bool:
@@ -440,13 +505,17 @@ class Preallocation:
         return parse_manifest(self.manifest_bytes)
 
 
-def decode_preallocation(frames: list[bytes]) -> Preallocation:
+def decode_preallocation(frames: list[bytes], *, staging: bool = False) -> Preallocation:
     """Decode a pre-allocation's frame count, room and session
     (docs/protocol.md#proto-preallocation); the manifest frame is kept as bytes for
-    :meth:`Preallocation.manifest`."""
+    :meth:`Preallocation.manifest`. ``staging``: accept the 4-frame form whose frame 3
+    offers a staging slot (docs/wire.md#staged-transfers)."""
+    slot = None
     if len(frames) != _PREALLOCATION_FRAMES:
-        raise WireError(_MSG_PREALLOCATION_FRAMES)
-    room_frame, session_frame, manifest_bytes = frames
+        if not (staging and len(frames) == _STAGED_PREALLOCATION_FRAMES):
+            raise WireError(_MSG_PREALLOCATION_FRAMES)
+        slot = _staging_slot(frames[3])
+    room_frame, session_frame, manifest_bytes = frames[:3]
     # _uint inlined: this decode runs once per request and Prefill rank.
     if not (
         0 < len(room_frame) <= 19
@@ -459,19 +528,42 @@ def decode_preallocation(frames: list[bytes]) -> Preallocation:
         raise WireError("CachePD room is out of range")
     if not 0 < len(session_frame) <= MAX_SESSION_CHARS or not session_frame.isascii():
         raise WireError(_MSG_REQUEST_SESSION)
-    return Preallocation(room, session_frame.decode("ascii"), manifest_bytes)
+    return Preallocation(room, session_frame.decode("ascii"), manifest_bytes, slot)
 
 
-def encode_preallocation(room: int, session_id: str, manifest: BlockManifest | None) -> list[bytes]:
+def _staging_slot(frame: bytes) -> tuple[int, int]:
+    if len(frame) != _U64_PAIR.size:
+        raise WireError(
+            f"tspd staging slot frame must be 16 bytes (offset, length), got {len(frame)}"
+        )
+    offset, length = _U64_PAIR.unpack(frame)
+    if length == 0 or offset + length > MAX_ADDRESS:
+        raise WireError(
+            f"tspd staging slot (offset {offset}, {length} bytes) must be non-empty and end "
+            f"below {MAX_ADDRESS:#x}"
+        )
+    return offset, length
+
+
+def encode_preallocation(
+    room: int,
+    session_id: str,
+    manifest: BlockManifest | None,
+    slot: tuple[int, int] | None = None,
+) -> list[bytes]:
     """The 3 frames of a pre-allocation; ``manifest=None`` sends the empty frame of a
-    dummy pre-allocation."""
+    dummy pre-allocation. ``slot``: the 4-frame form offering a staging slot
+    ``(offset, length)`` (docs/wire.md#staged-transfers)."""
     if not 0 <= room <= MAX_ROOM:
         raise WireError("CachePD room is out of range")
     session = _check_ascii(session_id, MAX_SESSION_CHARS, _MSG_REQUEST_SESSION)
     payload = b"" if manifest is None else manifest.to_json()
     if len(payload) > MAX_MANIFEST_BYTES:
         raise ContractError(_MSG_MANIFEST_SIZE)
-    return [encode_uint(room), session, payload]
+    frames = [encode_uint(room), session, payload]
+    if slot is not None:
+        frames.append(encode_staging_slot(*slot))
+    return frames
 
 
 # ------------------------------------------------------------------------------ status
@@ -492,6 +584,10 @@ class StatusMessage:
     spec_candidate_ids: tuple[int, ...] = ()
     cached_tokens: int = 0
     bootstrap_logprob: float | None = None
+    #: A ``Success`` whose bytes went to the Decode's staging slot as a blob of this
+    #: many bytes (frame 7, tspd's extension, docs/wire.md#staged-transfers); ``0``:
+    #: the bytes were written in place.
+    staged_bytes: int = 0
 
 
 def _status_error(detail: str) -> WireError:
@@ -501,7 +597,8 @@ def _status_error(detail: str) -> WireError:
 def encode_status(message: StatusMessage) -> list[bytes]:
     """The 7-frame form of ``message`` (docs/protocol.md#proto-status): ASCII
     decimals, candidates as packed little-endian int32, the logprob as little-endian
-    float64 or an empty frame."""
+    float64 or an empty frame; a staged ``Success`` has an 8th frame, the blob's
+    length (docs/wire.md#staged-transfers)."""
     m = message
     status = _POLL_FRAMES.get(m.status)
     if (
@@ -510,6 +607,7 @@ def encode_status(message: StatusMessage) -> list[bytes]:
         or not 0 <= m.prefill_rank <= MAX_RANK
         or not _MIN_TOKEN <= m.bootstrap_token <= _MAX_TOKEN
         or not 0 <= m.cached_tokens <= MAX_ROOM
+        or not 0 <= m.staged_bytes <= MAX_ROOM
     ):
         raise WireError(f"status message for room {m.room} has a value out of range: {m!r}")
     candidates = m.spec_candidate_ids
@@ -529,7 +627,7 @@ def encode_status(message: StatusMessage) -> list[bytes]:
     else:
         packed = b""
     logprob = m.bootstrap_logprob
-    return [
+    frames = [
         b"%d" % m.room,
         status,
         b"%d" % m.prefill_rank,
@@ -538,6 +636,9 @@ def encode_status(message: StatusMessage) -> list[bytes]:
         b"%d" % m.cached_tokens,
         b"" if logprob is None else _F64.pack(logprob),
     ]
+    if m.staged_bytes:
+        frames.append(b"%d" % m.staged_bytes)
+    return frames
 
 
 def failure_notice(room: int, prefill_rank: int, cached_tokens: int = 0) -> list[bytes]:
@@ -602,9 +703,10 @@ def _status_logprob(frame: bytes) -> float | None:
 
 
 def decode_status(frames: list[bytes]) -> StatusMessage:
-    """Decode a status message of 3..7 frames (docs/protocol.md#proto-status);
-    absent trailing frames read as token ``-1``, no candidates, ``0`` cached tokens
-    and no logprob.
+    """Decode a status message of 3..8 frames (docs/protocol.md#proto-status; the
+    8th is tspd's staged-blob length, docs/wire.md#staged-transfers); absent trailing
+    frames read as token ``-1``, no candidates, ``0`` cached tokens, no logprob and
+    nothing staged.
 
     Integers must be exactly what ``str(int)`` writes (a ``-`` only on the token);
     at most :data:`MAX_SPEC_CANDIDATES` candidates, checked on the frame's length
@@ -612,8 +714,8 @@ def decode_status(frames: list[bytes]) -> StatusMessage:
     message: <detail>"``.
     """
     count = len(frames)
-    if not 3 <= count <= 7:
-        raise _status_error(f"expected 3..7 frames, got {count}")
+    if not 3 <= count <= MAX_STATUS_FRAMES:
+        raise _status_error(f"expected 3..{MAX_STATUS_FRAMES} frames, got {count}")
     room = _status_uint(frames[0], "room", MAX_ROOM, 19)
     status = _POLLS[_status_uint(frames[1], "status", _MAX_POLL, 1)]
     rank = _status_uint(frames[2], "prefill rank", MAX_RANK, 10)
@@ -625,6 +727,7 @@ def decode_status(frames: list[bytes]) -> StatusMessage:
         _status_candidates(frames[4]) if count > 4 else (),
         _status_uint(frames[5], "cached tokens", MAX_ROOM, 19) if count > 5 else 0,
         _status_logprob(frames[6]) if count > 6 else None,
+        _status_uint(frames[7], "staged bytes", MAX_ROOM, 19) if count > 7 else 0,
     )
 
 

@@ -73,6 +73,8 @@ class DemoOptions:
     in_flight: int = 16
     layerwise: bool = False
     scatter: bool = False
+    #: Each rank's staging region in MiB (0: staged transfers off).
+    staging_mib: int = 0
     timeout: float = 180.0
     bootstrap_timeout: float = 30.0
     waiting_timeout: float = 60.0
@@ -309,6 +311,8 @@ def _role_args(
         args.append("--layerwise")
     if opts.scatter:
         args.append("--scatter")
+    if opts.staging_mib:
+        args += ["--staging-mib", str(opts.staging_mib)]
     args += list(opts.prefill_args if role == "prefill" else opts.decode_args)
     return args
 

@@ -124,6 +124,8 @@ class RoleOptions:
     in_flight: int = 32
     layerwise: bool = False
     scatter: bool = False
+    #: This rank's staging region in MiB (0: staged transfers off).
+    staging_mib: int = 0
     workers: int = 2
     bootstrap_timeout: float = 30.0
     waiting_timeout: float = 60.0
@@ -261,6 +263,7 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
         bootstrap_timeout=opts.bootstrap_timeout,
         failed_session_ttl=opts.failed_session_ttl,
         layerwise=schedule,
+        staging_bytes=opts.staging_mib << 20,
     )
     settings = PrefillSettings(
         host=opts.host,
@@ -459,6 +462,7 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
         port=1,
         waiting_timeout=opts.waiting_timeout,
         heartbeat_max_failures=opts.heartbeat_max_failures,
+        staging_bytes=opts.staging_mib << 20,
     )
     settings = DecodeSettings(
         host=opts.host, heartbeat_interval=opts.heartbeat_interval, security=opts.security

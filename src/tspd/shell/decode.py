@@ -61,12 +61,14 @@ from tspd.core.commands import (
     Log,
     Rejected,
     RoomFailed,
+    ScatterStaged,
     SendFrames,
 )
 from tspd.core.config import parse_pd_env
 from tspd.core.decode import DecodeConfig, DecodeCore
-from tspd.core.errors import TspdError
+from tspd.core.errors import TspdError, WireError
 from tspd.core.manifest import BlockManifest
+from tspd.core.staging import check_within, read_blob_table, scatter_blob
 from tspd.core.trace import Side
 from tspd.core.wire import MAX_STATUS_FRAME_BYTES
 from tspd.engines.base import AsyncTransferEngine, TransferEngine
@@ -143,6 +145,7 @@ class DecodePeer(RankPeer[DecodeCommand]):
         observer: PeerObserver | None = None,
         curve: CurveGuard | None = None,
         server_keys: dict[tuple[str, int], str] | None = None,
+        staging: HostArena | None = None,
     ) -> None:
         super().__init__(core, observer, agreement=agreement, pushes=pushes, curve=curve)
         #: Secure mode: the CURVE server key of each Prefill control endpoint (the
@@ -150,6 +153,8 @@ class DecodePeer(RankPeer[DecodeCommand]):
         self._server_keys = server_keys if server_keys is not None else {}
         self.engine = engine
         self.arena = arena
+        #: The staging region staged blobs land in (docs/wire.md#staged-transfers).
+        self.staging = staging
         self.status_port = status_port
         self._client = client
         self._nursery: trio.Nursery | None = None
@@ -172,12 +177,16 @@ class DecodePeer(RankPeer[DecodeCommand]):
                 self._spawn(self._fetch_parallel_info, command)
             case FetchRankInfo():
                 self._spawn(self._fetch_rank_info, command)
+            case ScatterStaged():
+                self._spawn(self._scatter, command)
             case RoomFailed() | Log() | Rejected():
                 self._observed(command)
             case _:
                 assert_never(command)
 
-    def _spawn(self, fn: object, command: FetchParallelInfo | FetchRankInfo) -> None:
+    def _spawn(
+        self, fn: object, command: FetchParallelInfo | FetchRankInfo | ScatterStaged
+    ) -> None:
         if self._nursery is None:
             log.error("Decode peer is not running; dropped %r", command)
             return
@@ -203,6 +212,25 @@ class DecodePeer(RankPeer[DecodeCommand]):
             refused = self._check_mode(addr, rank, dp, info)
             self.core.rank_info(addr, dp, rank, refused or info, trio.current_time())
         self._pump(activity=True)
+
+    async def _scatter(self, command: ScatterStaged) -> None:
+        """Check a staged blob and copy it into the room's pages in a worker thread
+        (a large room's blob is tens of MiB), then tell the core."""
+        error: str | None = None
+        try:
+            await trio.to_thread.run_sync(self._scatter_blob, command)
+        except (WireError, ValueError) as err:
+            error = str(err)
+        self.core.staged_done(command.room, command.prefill_rank, error, trio.current_time())
+        self._pump(activity=True)
+
+    def _scatter_blob(self, command: ScatterStaged) -> None:
+        if self.staging is None:
+            raise ValueError("this Decode rank has no staging region (a bug: please report it)")
+        blob = self.staging.view(command.slot_offset, command.slot_length)
+        dst, lengths = read_blob_table(blob, command.staged_bytes, command.slot_length)
+        check_within(dst, lengths, command.starts, command.ends)
+        scatter_blob(blob, dst, lengths, self.arena.array)
 
     def server_key(self, endpoint: str, port: int) -> str | None:
         """Secure mode: the CURVE server key of the Prefill control socket at
@@ -333,6 +361,10 @@ async def open_decode_peer(
         socket_name="Decode status socket",
         max_frame_bytes=MAX_STATUS_FRAME_BYTES,
     )
+    # Staged transfers (docs/wire.md#staged-transfers): a staging region of its own,
+    # registered with the engine beside the arena.
+    region = HostArena(config.staging_bytes) if config.staging_bytes > 0 else None
+    arena_registered = False
     try:
         core = DecodeCore(
             dataclasses.replace(
@@ -341,13 +373,21 @@ async def open_decode_peer(
                 session_id=engine.session_id,
                 endpoint=settings.host,
                 port=port,
+                staging_base=region.base if region is not None else 0,
             )
         )
         await register_memory(engine, arena.base, arena.size)
+        arena_registered = True
+        if region is not None:
+            await register_memory(engine, region.base, region.size)
     except BaseException:
         status.close()
         if curve is not None:
             curve.close()
+        if arena_registered:
+            await unregister_on_exit(engine, arena.base, what="the Decode arena", logger=log)
+        if region is not None:
+            region.close()
         raise
     try:
         async with open_peer_nursery(settings.security) as (client, nursery):
@@ -364,6 +404,7 @@ async def open_decode_peer(
                 ),
                 curve=curve,
                 server_keys=server_keys,
+                staging=region,
             )
             peer.observer.watch(core, peer.statistics)
             peer._nursery = nursery
@@ -380,3 +421,8 @@ async def open_decode_peer(
         if curve is not None:
             curve.close()
         await unregister_on_exit(engine, arena.base, what="the Decode arena", logger=log)
+        if region is not None:
+            await unregister_on_exit(
+                engine, region.base, what="the Decode staging region", logger=log
+            )
+            region.close()

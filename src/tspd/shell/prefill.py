@@ -53,7 +53,7 @@ from typing import Any, assert_never, final
 import trio
 import zmq
 
-from tspd.core.bootstrap import CURVE_KEY_FIELD, build_route_payload
+from tspd.core.bootstrap import CURVE_KEY_FIELD, STAGING_FIELD, build_route_payload
 from tspd.core.commands import (
     CloseRoute,
     Event,
@@ -83,7 +83,7 @@ from tspd.shell.pushes import DEFAULT_IDLE_TTL, DEFAULT_MAX_SOCKETS, PushPool
 from tspd.shell.security import CurveGuard, SecurityConfig
 from tspd.shell.steps import StepCounter
 from tspd.shell.threadsafe import LoopPortal
-from tspd.shell.transfers import TransferWorkers
+from tspd.shell.transfers import Staging, TransferWorkers
 
 __all__ = [
     "ExtendRow",
@@ -169,10 +169,12 @@ class PrefillPeer(RankPeer[PrefillCommand]):
         host: str,
         observer: PeerObserver | None = None,
         curve: CurveGuard | None = None,
+        staging: Staging | None = None,
     ) -> None:
         super().__init__(core, observer, agreement=agreement, pushes=pushes, curve=curve)
         self.engine = engine
         self.arena = arena
+        self.staging = staging
         self.control_port = control_port
         self.host = host
         self.step_counter = step_counter
@@ -183,6 +185,7 @@ class PrefillPeer(RankPeer[PrefillCommand]):
             count=core.config.transfer_workers,
             read_step=step_counter.read if step_counter is not None else None,
             on_write=self.observer.write,
+            staging=staging,
         )
         self._rooms_by_rid: dict[str, int] = {}
         self._memory_registered = False
@@ -386,6 +389,8 @@ class PrefillPeer(RankPeer[PrefillCommand]):
         payload["rank_port"] = self.control_port
         if self.curve is not None:
             payload[CURVE_KEY_FIELD] = self.curve.public_key
+        if self.staging is not None:
+            payload[STAGING_FIELD] = True
         try:
             await client.put_route(settings.bootstrap_addr, payload)
         except TspdError as err:
@@ -468,9 +473,16 @@ async def open_prefill_peer(
     if config.layerwise is not None and step_counter is None:
         raise TspdError("a layerwise Prefill peer needs the producer step counter it waits on")
     ctx = context or zmq.Context.instance()
+    # Staged transfers (docs/wire.md#staged-transfers): a staging region of its own,
+    # registered with the engine beside the arena.
+    region = HostArena(config.staging_bytes) if config.staging_bytes > 0 else None
     core = PrefillCore(
         dataclasses.replace(
-            config, arena_base=arena.base, arena_len=arena.size, session_id=engine.session_id
+            config,
+            arena_base=arena.base,
+            arena_len=arena.size,
+            session_id=engine.session_id,
+            staging_base=region.base if region is not None else 0,
         )
     )
     curve, pushes, control, port = open_rank_sockets(
@@ -494,11 +506,16 @@ async def open_prefill_peer(
             "prefill", config.tp_rank, metrics=metrics, slow_after=config.trace.slow_after
         ),
         curve=curve,
+        staging=Staging(arena, region) if region is not None else None,
     )
     peer.observer.watch(core, peer.statistics)
+    region_registered = False
     try:
         await register_memory(engine, arena.base, arena.size)
         peer._memory_registered = True
+        if region is not None:
+            await register_memory(engine, region.base, region.size)
+            region_registered = True
         async with open_peer_nursery(settings.security) as (client, nursery):
             await peer._start_tasks(nursery)
             await nursery.start(peer._workers.run)
@@ -520,3 +537,9 @@ async def open_prefill_peer(
         if peer._memory_registered:
             await unregister_on_exit(engine, arena.base, what="the Prefill arena", logger=log)
             peer._memory_registered = False
+        if region is not None:
+            if region_registered:
+                await unregister_on_exit(
+                    engine, region.base, what="the Prefill staging region", logger=log
+                )
+            region.close()

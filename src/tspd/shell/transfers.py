@@ -58,15 +58,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, final
 
+import numpy as np
 import trio
 
-from tspd.core.commands import StartTransfer
+from tspd.core.commands import DestinationWrite, StartTransfer
 from tspd.core.copies import DEFAULT_MAX_DESCRIPTORS, CopyPlan, batches
+from tspd.core.staging import gather_blob
 from tspd.engines.base import AsyncTransferEngine, TransferError
 from tspd.log import component_logger
+from tspd.shell.arena import HostArena
 from tspd.shell.offload import EngineRunner, StartedWrite, wait_step
 
-__all__ = ["TransferFeedback", "TransferWorkers", "WorkerStats"]
+__all__ = ["Staging", "TransferFeedback", "TransferWorkers", "WorkerStats"]
 
 log = component_logger("transfer")
 
@@ -78,8 +81,56 @@ _GROUP_DESCRIPTORS = 8192
 
 
 def _is_full(chunk: StartTransfer) -> bool:
-    """A full transfer: one interval that waits for no producer step."""
-    return len(chunk.intervals) == 1 and chunk.intervals[0].target_step is None
+    """A full transfer that may share engine calls with others: one interval that
+    waits for no producer step, and no write of it staged (a staged write is one
+    blob of its own)."""
+    return (
+        len(chunk.intervals) == 1
+        and chunk.intervals[0].target_step is None
+        and all(w.staged is None for w in chunk.intervals[0].writes)
+    )
+
+
+#: A staged blob goes out in descriptors of at most this many bytes, so Mooncake
+#: moves its pieces concurrently rather than one long copy.
+STAGED_DESCRIPTOR_BYTES = 16 << 20
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Staging:
+    """What a Prefill rank's workers need to send staged writes
+    (docs/wire.md#staged-transfers): its arena (``source``) and its staging region
+    (``region``), both registered with the engine. Their bytes are viewed only
+    while a blob is gathered, so either can be closed once the workers stop."""
+
+    source: HostArena
+    region: HostArena
+
+    def gather(self, write: DestinationWrite) -> CopyPlan:
+        """Gather ``write``'s copies into its blob (in the calling thread) and return
+        the blob's descriptors: at most :data:`STAGED_DESCRIPTOR_BYTES` each, from
+        the staging region to the Decode's slot."""
+        staged = write.staged
+        assert staged is not None
+        plan = write.plan
+        out = self.region.view(staged.source_offset, staged.length)
+        length = gather_blob(
+            out,
+            self.source.array,
+            plan.src - staged.src_base,
+            plan.dst - staged.dst_base,
+            plan.length,
+        )
+        del out
+        if length != staged.length:
+            raise ValueError(
+                f"the staged blob of {write.session_id} is {length} bytes where the core "
+                f"planned {staged.length} (a bug: please report it)"
+            )
+        starts = np.arange(0, length, STAGED_DESCRIPTOR_BYTES, dtype=np.int64)
+        sizes = np.minimum(length - starts, STAGED_DESCRIPTOR_BYTES)
+        return CopyPlan(staged.source_addr + starts, staged.dest_addr + starts, sizes)
 
 
 def _descriptors(chunk: StartTransfer) -> int:
@@ -116,6 +167,8 @@ class WorkerStats:
     engine_calls: int = 0
     descriptors: int = 0
     bytes_written: int = 0
+    #: Writes sent as one staged blob (docs/wire.md#staged-transfers).
+    staged_writes: int = 0
 
 
 @final
@@ -131,8 +184,10 @@ class TransferWorkers:
         read_step: Callable[[], int] | None = None,
         max_descriptors: int = DEFAULT_MAX_DESCRIPTORS,
         on_write: Callable[[str, int, float], None] | None = None,
+        staging: Staging | None = None,
     ) -> None:
         self._engine = engine
+        self._staging = staging
         self._feedback = feedback
         self._on_write = on_write
         self._read_step = read_step
@@ -388,6 +443,22 @@ class TransferWorkers:
             self._on_write(session, written, trio.current_time() - started)
         return True
 
+    async def _gather(self, write: DestinationWrite) -> CopyPlan | str:
+        """Gather a staged write's blob in a worker thread: its descriptors, or why
+        it could not be gathered."""
+        staging = self._staging
+        if staging is None:
+            return (
+                f"a write to {write.session_id} was planned staged, but these transfer "
+                "workers have no staging region (a bug: please report it)"
+            )
+        try:
+            plan = await trio.to_thread.run_sync(staging.gather, write)
+        except ValueError as exc:
+            return f"gathering the staged blob for {write.session_id} failed: {exc}"
+        self.stats.staged_writes += 1
+        return plan
+
     async def _wait_step(
         self, chunk: StartTransfer, target: int, read: Callable[[], int]
     ) -> str | None:
@@ -422,10 +493,16 @@ class TransferWorkers:
                     self._feedback.chunk_failed(chunk, None, stop)
                     return
             for write in interval.writes:
+                plan = write.plan
+                if write.staged is not None:
+                    gathered = await self._gather(write)
+                    if isinstance(gathered, str):  # this rank's fault, not the session's
+                        self.stats.failed_chunks += 1
+                        self._feedback.chunk_failed(chunk, None, gathered)
+                        return
+                    plan = gathered
                 try:
-                    written = await self._write(
-                        write.session_id, write.plan, self._all_active([chunk])
-                    )
+                    written = await self._write(write.session_id, plan, self._all_active([chunk]))
                 except TransferError as exc:
                     self.stats.failed_chunks += 1
                     self._feedback.chunk_failed(chunk, write.session_id, str(exc))
