@@ -36,6 +36,7 @@ from tspd.core.staging import (
     blob_length,
     check_within,
     gather_blob,
+    gather_blob_parts,
     read_blob_table,
     room_ranges,
     scatter_blob,
@@ -621,3 +622,21 @@ def test_staged_rooms_pass_the_interop_check_across_tp_routes(
     finally:
         for arena in p_arenas + d_arenas:
             arena.close()
+
+
+@pytest.mark.parametrize("part_bytes", [1, 100, 4096, 1 << 30])
+def test_a_blob_gathered_in_parts_is_the_same_blob(part_bytes: int) -> None:
+    rng = np.random.default_rng(7)
+    source = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    lengths = rng.integers(1, 300, 40).astype(np.int64)
+    src = rng.integers(0, (1 << 16) - 300, 40).astype(np.int64)
+    dst = np.cumsum(lengths) + 1000
+    whole = np.zeros(1 << 15, dtype=np.uint8)
+    size = gather_blob(whole, source, src, dst, lengths)
+    pieces = np.zeros(1 << 15, dtype=np.uint8)
+    parts = list(gather_blob_parts(pieces, source, src, dst, lengths, part_bytes))
+    assert parts[0][0] == 0
+    assert parts[-1][1] == size
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
+    assert all(end - start >= part_bytes for start, end in parts[:-1])
+    assert bytes(pieces[:size]) == bytes(whole[:size])

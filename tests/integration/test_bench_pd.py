@@ -18,7 +18,7 @@ def test_bench_pd_quick_reports_every_figure_with_its_limit() -> None:
     result = CliRunner().invoke(main, ["bench", "pd", "--quick", "--json"])
     assert result.exit_code == 0, result.output
     figures = json.loads(result.output[result.output.index("{") :])
-    assert len(figures) == 5
+    assert len(figures) == 6
     for name, value in figures.items():
         assert "FAILED" not in value["tspd"], (name, value)
         assert value["raw"]
@@ -35,7 +35,11 @@ def test_bench_pd_large_only_prints_the_64_mib_rows_beside_both_raw_limits() -> 
     assert sorted(figures) == [
         "64 MiB room, 16,384 × 4 KiB pages, contiguous",
         "64 MiB room, 16,384 × 4 KiB pages, scattered",
+        "64 MiB room, 16,384 × 4 KiB pages, scattered, staged (tspd ↔ tspd)",
     ]
+    # The staged row's room really went staged, as one blob.
+    staged = figures["64 MiB room, 16,384 × 4 KiB pages, scattered, staged (tspd ↔ tspd)"]
+    assert "1 of 1 rooms staged" in staged["tspd"], staged
     for name, value in figures.items():
         assert "FAILED" not in value["tspd"], (name, value)
         assert " sync / " in value["raw"], (name, value)

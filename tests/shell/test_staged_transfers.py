@@ -19,6 +19,7 @@ from tspd.core.decode import DecodeConfig
 from tspd.core.interop import bootstrap_token_and_candidates
 from tspd.core.manifest import build_manifest
 from tspd.core.prefill import PrefillConfig
+from tspd.shell import transfers
 from tspd.shell.agreement import ZmqAgreement
 from tspd.shell.arena import HostArena, fill_room, verify_room
 from tspd.shell.bootstrap import open_bootstrap_server
@@ -202,3 +203,15 @@ async def test_one_side_without_staging_gets_the_plain_protocol(
     _, _, out = await _run(1, 1, prefill_staging=prefill_staging, decode_staging=decode_staging)
     assert out["staged_writes"] == 0
     assert out["writes"] == 3
+
+
+async def test_a_blob_gathered_in_many_parts_arrives_byte_for_byte(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Parts of 512 bytes: each room's blob goes as many writes, each in flight while
+    # the next part is gathered.
+    monkeypatch.setattr(transfers, "STAGED_PART_BYTES", 512)
+    prefill, _, out = await _run(2, 1)
+    assert out["staged_writes"] == 6
+    calls = sum(p._workers.stats.engine_calls for p in prefill)
+    assert calls > 6 * 3, calls

@@ -303,11 +303,13 @@ def _staged_rows(f: PdFigures) -> list[tuple[str, str, str]]:
     if f.staged is None:
         return []
     share = _room_gbps(f.staged) / f.big_write.gbps * 100 if f.big_write.gbps else math.nan
+    staged = sum(s.get("staged_writes", 0) for s in f.staged.stats.values())
     return [
         (
             "64 MiB room, 16,384 × 4 KiB pages, scattered, staged (tspd ↔ tspd)",
-            f"{_room_gbps(f.staged):.3f} GB/s = {share:.0f} % of one write{_ok(f.staged)}",
-            f"one 64 MiB write {f.big_write.gbps:.3f} GB/s",
+            f"{_room_gbps(f.staged):.3f} GB/s = {share:.0f} % of one write, "
+            f"{staged} of {f.staged.rooms} rooms staged{_ok(f.staged)}",
+            f"one 64 MiB write {f.big_write.gbps:.3f} GB/s{_pipelined(f.big_write_pipelined)}",
         ),
     ]
 

@@ -297,6 +297,7 @@ class PrefillPeer(RankPeer[PrefillCommand]):
         stats["bytes_written"] = self._workers.stats.bytes_written
         stats["descriptors"] = self._workers.stats.descriptors
         stats["engine_calls"] = self._workers.stats.engine_calls
+        stats["staged_writes"] = self._workers.stats.staged_writes
         return stats
 
     # -- forward-side API (Trio thread; PrefillOutbox posts here from other threads)

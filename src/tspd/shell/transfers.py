@@ -38,6 +38,11 @@ yields: ~30 µs later on the 2-core host); the worker then waits for it and repo
 it like any other. A write started that way is still waited for if the workers
 stop before taking it.
 
+A destination write the core planned *staged* (docs/wire.md#staged-transfers) is
+gathered into its blob in the Prefill's staging region and written to the Decode's
+slot part by part (:data:`STAGED_PART_BYTES`): each part's write is in flight while
+a worker thread gathers the next. Such a chunk is never grouped with others.
+
 Each write to one destination session that succeeds — one chunk's copies in one
 interval, or a group's shared copies — is reported to ``on_write(session_id,
 nbytes, seconds)`` when given, for the transfer latency metrics (docs/protocol.md#proto-metrics:
@@ -54,22 +59,21 @@ that started is finished before cancellation is delivered.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, final
 
-import numpy as np
 import trio
 
 from tspd.core.commands import DestinationWrite, StartTransfer
 from tspd.core.copies import DEFAULT_MAX_DESCRIPTORS, CopyPlan, batches
-from tspd.core.staging import gather_blob
+from tspd.core.staging import gather_blob_parts
 from tspd.engines.base import AsyncTransferEngine, TransferError
 from tspd.log import component_logger
 from tspd.shell.arena import HostArena
 from tspd.shell.offload import EngineRunner, StartedWrite, wait_step
 
-__all__ = ["Staging", "TransferFeedback", "TransferWorkers", "WorkerStats"]
+__all__ = ["STAGED_PART_BYTES", "Staging", "TransferFeedback", "TransferWorkers", "WorkerStats"]
 
 log = component_logger("transfer")
 
@@ -91,9 +95,9 @@ def _is_full(chunk: StartTransfer) -> bool:
     )
 
 
-#: A staged blob goes out in descriptors of at most this many bytes, so Mooncake
-#: moves its pieces concurrently rather than one long copy.
-STAGED_DESCRIPTOR_BYTES = 16 << 20
+#: A staged blob is gathered and written in parts of about this many bytes: each
+#: part's write is in flight while the next part is gathered.
+STAGED_PART_BYTES = 8 << 20
 
 
 @final
@@ -107,30 +111,31 @@ class Staging:
     source: HostArena
     region: HostArena
 
-    def gather(self, write: DestinationWrite) -> CopyPlan:
-        """Gather ``write``'s copies into its blob (in the calling thread) and return
-        the blob's descriptors: at most :data:`STAGED_DESCRIPTOR_BYTES` each, from
-        the staging region to the Decode's slot."""
+    def parts(self, write: DestinationWrite) -> Iterator[CopyPlan]:
+        """Gather ``write``'s copies into its blob part by part (each ``next()`` in
+        the calling thread; the first one checks every range and writes the table);
+        each part's descriptor, from the staging region to the Decode's slot."""
         staged = write.staged
         assert staged is not None
         plan = write.plan
-        out = self.region.view(staged.source_offset, staged.length)
-        length = gather_blob(
-            out,
+        parts = gather_blob_parts(
+            self.region.view(staged.source_offset, staged.length),
             self.source.array,
             plan.src - staged.src_base,
             plan.dst - staged.dst_base,
             plan.length,
+            STAGED_PART_BYTES,
         )
-        del out
-        if length != staged.length:
+        end = 0
+        for start, end in parts:
+            yield CopyPlan.from_copies(
+                [(staged.source_addr + start, staged.dest_addr + start, end - start)]
+            )
+        if end != staged.length:
             raise ValueError(
-                f"the staged blob of {write.session_id} is {length} bytes where the core "
+                f"the staged blob of {write.session_id} is {end} bytes where the core "
                 f"planned {staged.length} (a bug: please report it)"
             )
-        starts = np.arange(0, length, STAGED_DESCRIPTOR_BYTES, dtype=np.int64)
-        sizes = np.minimum(length - starts, STAGED_DESCRIPTOR_BYTES)
-        return CopyPlan(staged.source_addr + starts, staged.dest_addr + starts, sizes)
 
 
 def _descriptors(chunk: StartTransfer) -> int:
@@ -443,21 +448,55 @@ class TransferWorkers:
             self._on_write(session, written, trio.current_time() - started)
         return True
 
-    async def _gather(self, write: DestinationWrite) -> CopyPlan | str:
-        """Gather a staged write's blob in a worker thread: its descriptors, or why
-        it could not be gathered."""
+    async def _write_staged(
+        self, write: DestinationWrite, active: Callable[[], bool]
+    ) -> bool | str:
+        """Send a staged write: gather its blob part by part in a worker thread while
+        the part before is being written. ``False`` if the room ended (nothing more
+        is started), a text if the blob could not be gathered; a failed write raises
+        its :class:`TransferError` once the write in flight is done."""
         staging = self._staging
         if staging is None:
             return (
                 f"a write to {write.session_id} was planned staged, but these transfer "
                 "workers have no staging region (a bug: please report it)"
             )
-        try:
-            plan = await trio.to_thread.run_sync(staging.gather, write)
-        except ValueError as exc:
-            return f"gathering the staged blob for {write.session_id} failed: {exc}"
+        parts = staging.parts(write)
+        session = write.session_id
+        failure: list[TransferError] = []
+        stopped = False
+
+        async def send(plan: CopyPlan, done: trio.Event) -> None:
+            nonlocal stopped
+            try:
+                if not await self._write(session, plan, active):
+                    stopped = True
+            except TransferError as exc:
+                failure.append(exc)
+            finally:
+                done.set()
+
+        gathered: str | None = None
+        async with trio.open_nursery() as nursery:
+            sent: trio.Event | None = None
+            while True:
+                try:
+                    plan = await trio.to_thread.run_sync(next, parts, None)
+                except ValueError as exc:
+                    gathered = f"gathering the staged blob for {session} failed: {exc}"
+                    break
+                if sent is not None:
+                    await sent.wait()
+                if plan is None or failure or stopped:
+                    break
+                sent = trio.Event()
+                nursery.start_soon(send, plan, sent)
+        if failure:
+            raise failure[0]
+        if gathered is not None:
+            return gathered
         self.stats.staged_writes += 1
-        return plan
+        return not stopped
 
     async def _wait_step(
         self, chunk: StartTransfer, target: int, read: Callable[[], int]
@@ -493,16 +532,17 @@ class TransferWorkers:
                     self._feedback.chunk_failed(chunk, None, stop)
                     return
             for write in interval.writes:
-                plan = write.plan
-                if write.staged is not None:
-                    gathered = await self._gather(write)
-                    if isinstance(gathered, str):  # this rank's fault, not the session's
-                        self.stats.failed_chunks += 1
-                        self._feedback.chunk_failed(chunk, None, gathered)
-                        return
-                    plan = gathered
+                active = self._all_active([chunk])
                 try:
-                    written = await self._write(write.session_id, plan, self._all_active([chunk]))
+                    if write.staged is None:
+                        written = await self._write(write.session_id, write.plan, active)
+                    else:
+                        staged = await self._write_staged(write, active)
+                        if isinstance(staged, str):  # this rank's fault, not the session's
+                            self.stats.failed_chunks += 1
+                            self._feedback.chunk_failed(chunk, None, staged)
+                            return
+                        written = staged
                 except TransferError as exc:
                     self.stats.failed_chunks += 1
                     self._feedback.chunk_failed(chunk, write.session_id, str(exc))
