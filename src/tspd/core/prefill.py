@@ -1381,17 +1381,16 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
     def _report_success(self, room: int, now: float) -> None:
         metadata = self._per_room.metadata.pop(room)
         usage = self._per_room.usage.get(room) or _Usage()
-        frames = wire.encode_status(
-            wire.StatusMessage(
-                room=room,
-                status=TransferPoll.SUCCESS,
-                prefill_rank=self.config.reported_rank,
-                bootstrap_token=metadata.bootstrap_token,
-                spec_candidate_ids=metadata.spec_candidate_ids,
-                cached_tokens=usage.cached_tokens,
-                bootstrap_logprob=usage.bootstrap_logprob,
-            )
+        message = wire.StatusMessage(
+            room=room,
+            status=TransferPoll.SUCCESS,
+            prefill_rank=self.config.reported_rank,
+            bootstrap_token=metadata.bootstrap_token,
+            spec_candidate_ids=metadata.spec_candidate_ids,
+            cached_tokens=usage.cached_tokens,
+            bootstrap_logprob=usage.bootstrap_logprob,
         )
+        frames = wire.encode_status(message)
         staged = self._per_room.staged.pop(room, {})
         for destination in self._per_room.destinations.get(room, ()):
             if destination.manifest is None:
@@ -1400,8 +1399,12 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
             if route is None:
                 continue
             blob = staged.get(destination.session_id, 0)
-            # A staged destination's Success carries the blob's length (frame 7).
-            self._send(route, [*frames, b"%d" % blob] if blob else frames, room)
+            if blob:  # a staged destination's Success carries the blob's length
+                self._send(
+                    route, wire.encode_status(dataclasses.replace(message, staged_bytes=blob)), room
+                )
+            else:
+                self._send(route, frames, room)
         self._rooms.fire(room, PrefillTrigger.TRANSFER_SUCCEEDED)
         self._per_room.fire(room, TransferTrigger.REPORTED)
         self._per_room.destinations.pop(room, None)
