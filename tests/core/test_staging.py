@@ -640,3 +640,59 @@ def test_a_blob_gathered_in_parts_is_the_same_blob(part_bytes: int) -> None:
     assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
     assert all(end - start >= part_bytes for start, end in parts[:-1])
     assert bytes(pieces[:size]) == bytes(whole[:size])
+
+
+def _reference_parts(
+    source: np.ndarray, src: list[int], dst: list[int], lengths: list[int], part_bytes: int
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """The blob and its parts, range by range (the format's definition)."""
+    n = len(lengths)
+    table = b"".join(
+        d.to_bytes(8, "little") + m.to_bytes(8, "little") for d, m in zip(dst, lengths, strict=True)
+    )
+    blob = bytearray(_header(n) + table)
+    parts, start, due = [], 0, len(blob) + part_bytes
+    for s, m in zip(src, lengths, strict=True):
+        blob += bytes(source[s : s + m])
+        if len(blob) >= due:
+            parts.append((start, len(blob)))
+            start, due = len(blob), len(blob) + part_bytes
+    if len(blob) > start or start == 0:
+        parts.append((start, len(blob)))
+    return bytes(blob), parts
+
+
+@given(
+    unit=st.sampled_from([1, 3, 64, 256, 512, 4096]),
+    shape=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 4)), min_size=0, max_size=24),
+    part_bytes=st.sampled_from([1, 300, 4096, 20_000, 1 << 40]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_gather_and_scatter_match_the_range_by_range_definition(
+    unit: int,
+    shape: list[tuple[int, int]],
+    part_bytes: int,
+    seed: int,
+) -> None:
+    """Whole rows of ≥ 256 bytes go through numpy's row gather and scatter (without
+    the GIL), anything else range by range: the blob, its parts and the scattered
+    arena are the same either way."""
+    slots = 64
+    rng = np.random.default_rng(seed)
+    source = rng.integers(0, 256, slots * 4 * unit, dtype=np.uint8)
+    src = [row * unit for row, _ in shape]
+    lengths = [count * unit for _, count in shape]
+    order = rng.permutation(slots).tolist()
+    dst = [order[i % slots] * 4 * unit for i in range(len(shape))]  # distinct, in range
+    want, want_parts = _reference_parts(source, src, dst, lengths, part_bytes)
+    out = np.zeros(len(want) + 5, dtype=np.uint8)
+    cols = (np.array(src, I64), np.array(dst, I64), np.array(lengths, I64))
+    assert list(gather_blob_parts(out, source, *cols, part_bytes)) == want_parts
+    assert bytes(out[: len(want)]) == want
+    target = np.zeros(slots * 4 * unit, dtype=np.uint8)
+    expected = target.copy()
+    for s, d, m in zip(src, dst, lengths, strict=True):
+        expected[d : d + m] = source[s : s + m]
+    table_dst, table_len = read_blob_table(out, len(want), len(out))
+    scatter_blob(out, table_dst, table_len, target)
+    assert bytes(target) == bytes(expected)
