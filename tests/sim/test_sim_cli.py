@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pkgutil
 import subprocess
 import sys
@@ -72,6 +73,15 @@ def test_the_benchmark_prints_its_figures() -> None:
     assert '"seeds_per_second"' in result.output
     assert '"sim_seconds_per_wall_second"' in result.output
     assert '"rooms_per_second"' in result.output
+
+
+def test_the_benchmark_runs_staged_transfers() -> None:
+    args = ["bench", "sim", "--seeds", "2", "--rooms", "30", "--staging", "--json"]
+    result = CliRunner().invoke(main, args, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert [row["failing_seeds"] for row in rows] == [0, 0]
+    assert all(row["rooms"] == 60 for row in rows)
 
 
 def test_the_newer_modes_run_from_the_command_line() -> None:

@@ -77,6 +77,15 @@ def run_sim_benchmark(config: SimConfig, seeds: int, what: str) -> SimFigures:
 @click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--layerwise", is_flag=True, help="Stream KV layerwise (see tspd sim).")
 @click.option("--layerwise-interval", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--staging",
+    type=click.FloatRange(0.0, 1.0),
+    is_flag=False,
+    flag_value=1.0,
+    default=0.0,
+    show_default=True,
+    help="Staged transfers: the share of instances with a staging region (alone: 1, all).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def sim(
     seeds: int,
@@ -87,6 +96,7 @@ def sim(
     layers: int,
     layerwise: bool,
     layerwise_interval: int,
+    staging: float,
     as_json: bool,
 ) -> None:
     """Simulator throughput: seeds/s, simulated s per wall s, rooms/s (figures only)."""
@@ -97,6 +107,7 @@ def sim(
         layers=layers,
         layerwise=layerwise,
         layerwise_interval=layerwise_interval,
+        staging=staging,
     )
     with_faults = base.with_(faults=parse_faults(faults))
     rows = [
@@ -124,6 +135,8 @@ def sim(
         )
         return
     mode = f", layerwise ({layers} layers, interval {layerwise_interval})" if layerwise else ""
+    if staging:
+        mode += f", staging on {staging:.0%} of instances"
     table = Table(
         title=f"tspd bench sim: {seeds} seeds of {rooms} rooms, {prefill} -> {decode}{mode}",
         caption=f"faults: {format_faults(with_faults.faults)}",

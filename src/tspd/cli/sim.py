@@ -10,9 +10,11 @@ and exits 1::
 ``--seeds N`` sweeps seeds ``first .. first+N-1`` and prints the totals and every
 failing seed (exit 1 if any). ``--layerwise`` streams KV layerwise (with
 ``--layers`` layers and ``--layerwise-interval`` producer steps per interval)
-instead of handing over full transfers. Fencing violations are counted and printed in
-``--fencing report`` mode (the default) and fail the run in ``strict`` mode.
-See docs/sim.md.
+instead of handing over full transfers. ``--staging`` gives every instance (or
+``--staging 0.5``: about half of them) a staging region, so that full transfers
+between two that have one go staged (docs/wire.md#staged-transfers). Fencing
+violations are counted and printed in ``--fencing report`` mode (the default) and
+fail the run in ``strict`` mode. See docs/sim.md.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def _config(
     layers: int,
     layerwise: bool,
     layerwise_interval: int,
+    staging: float = 0.0,
 ) -> SimConfig:
     try:
         return SimConfig(
@@ -47,6 +50,7 @@ def _config(
             layers=layers,
             layerwise=layerwise,
             layerwise_interval=layerwise_interval,
+            staging=staging,
         )
     except ConfigError as err:
         raise click.UsageError(str(err)) from err
@@ -82,7 +86,7 @@ def _show_fencing(result: SimResult, limit: int) -> None:
     default="none",
     show_default=True,
     help="Comma-separated faults: loss, dup, reorder, partition, crash, xfail, hang, late, "
-    "abort, hedge, bootstrap-crash, sleep (name or name=rate); 'all' turns every one on.",
+    "abort, hedge, bootstrap-crash, sleep, garble (name or name=rate); 'all' turns every one on.",
 )
 @click.option(
     "--fencing",
@@ -110,6 +114,15 @@ def _show_fencing(result: SimResult, limit: int) -> None:
     show_default=True,
     help="Producer steps per layerwise transfer interval.",
 )
+@click.option(
+    "--staging",
+    type=click.FloatRange(0.0, 1.0),
+    is_flag=False,
+    flag_value=1.0,
+    default=0.0,
+    show_default=True,
+    help="Staged transfers: the share of instances with a staging region (alone: 1, all).",
+)
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def sim(
@@ -123,11 +136,14 @@ def sim(
     layers: int,
     layerwise: bool,
     layerwise_interval: int,
+    staging: float,
     jobs: int,
     as_json: bool,
 ) -> None:
     """Simulate a whole PD cluster in virtual time and check its invariants."""
-    config = _config(rooms, prefill, decode, faults, fencing, layers, layerwise, layerwise_interval)
+    config = _config(
+        rooms, prefill, decode, faults, fencing, layers, layerwise, layerwise_interval, staging
+    )
     if seeds is None:
         result = run(config, seed)
         if as_json:
@@ -151,6 +167,9 @@ def sim(
                     "fenced": total.fenced,
                     "fenced_corruptions": total.fenced_corruptions,
                     "stale_registrations": total.stale_registrations,
+                    "staged_rooms": total.staged_rooms,
+                    "blobs_scattered": total.scattered,
+                    "blobs_refused": total.refused,
                     "wall_seconds": total.wall_seconds,
                     "sim_seconds": total.sim_seconds,
                     "events": total.steps,
@@ -191,6 +210,11 @@ def _figures(result: SimResult) -> dict[str, object]:
         "bootstrap_crashes": result.bootstrap_crashes,
         "sleeps": result.sleeps,
         "step_waits": result.transfers.step_waits,
+        "staging": {
+            name: getattr(result.staging, name)
+            for name in result.staging.__dataclass_fields__
+            if name != "staged_rooms"
+        },
         "sim_seconds": result.sim_seconds,
         "wall_seconds": result.wall_seconds,
         "events": result.steps,

@@ -6,9 +6,10 @@ Prefill instance and the schedulers that drive them, all built from tspd's real
 sans-IO cores (:mod:`tspd.core`) and run on one virtual clock, with a simulated
 network (delays, loss, duplication, reordering, partitions), a simulated transfer
 engine (latency, failures, hangs, late writes), full or layerwise transfers
-(:mod:`tspd.sim.layerwise`), crashes and restarts of any process (bootstrap
-servers included), Prefill sleeps, and a model of every arena that says which room
-owns each page and what each page holds.
+(:mod:`tspd.sim.layerwise`), staged transfers between instances that have a
+staging region (:mod:`tspd.sim.staging`), crashes and restarts of any process
+(bootstrap servers included), Prefill sleeps, and a model of every arena that says
+which room owns each page and what each page holds.
 
 After every event the simulator checks the invariants of
 :mod:`tspd.sim.invariants`. A run is a seed plus a

@@ -21,8 +21,15 @@ covers network delays and scheduler iterations):
   time its worker can take, every engine call bounded by the transfer timeout.
 
 Everything random comes from generators seeded from the seed, one per concern
-(workload, faults, network, engines, pages), so the workload of a seed does not
-change when faults are switched on or off.
+(workload, faults, network, engines, pages, staging), so the workload of a seed
+does not change when faults are switched on or off, and a run without staging
+draws nothing for it.
+
+With ``SimConfig.staging`` the run draws which instances have a staging region
+(:mod:`tspd.sim.staging`); the audits then also require every Decode core's slot
+count to equal the slots the simulator saw it offer and not yet take back, and
+every Prefill core's staged rooms to be rooms its workers hold; after the drain
+both are zero, with the simulator's claims and holdings.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Final, TypeVar
 
-from tspd.core.decode import DecodeConfig, DecodeCore
+from tspd.core.decode import DecodeConfig
 from tspd.core.prefill import FAILED_ROOM_MEMORY, REJECTED_SESSION_MEMORY
 from tspd.sim.arena import TagCodec
 from tspd.sim.bootstrap import BootstrapServer
@@ -47,6 +54,7 @@ from tspd.sim.network import Network, Partition
 from tspd.sim.prefill import PrefillGroup, PrefillRank
 from tspd.sim.result import Outcomes, SimResult
 from tspd.sim.router import Router
+from tspd.sim.staging import StagingStats
 from tspd.sim.timeline import Timeline
 from tspd.sim.transfers import TransferStats
 from tspd.sim.workload import Request, draw_requests
@@ -69,6 +77,7 @@ PREFILL_PER_ROOM: Final = (
     "failed_sessions",
     "writing_rooms",
     "deferred_notices",
+    "staged_rooms",
 )
 DECODE_PER_ROOM: Final = (
     "rooms",
@@ -81,6 +90,8 @@ DECODE_PER_ROOM: Final = (
     "awaiting_info",
     "awaiting_rank",
     "held_rooms",
+    "staging_slots",
+    "scattering",
 )
 #: Timelines kept in a result for fenced rooms (the first few).
 FENCED_TIMELINES: Final = 3
@@ -116,12 +127,14 @@ class Cluster:
         self.engine_rng = random.Random(f"{seed}:engines")
         self.page_rng = random.Random(f"{seed}:pages")
         self.forward_rng = random.Random(f"{seed}:forwards")
+        self.staging_rng = random.Random(f"{seed}:staging")
         self.timeline = Timeline()
         self.checker = Checker(self.queue, self.timeline, config.fencing == "strict")
         self.network = Network(
             self.queue, random.Random(f"{seed}:network"), config.faults, timings, self.timeline
         )
         self.stats = TransferStats()
+        self.staging = StagingStats()
         self.outcomes = Outcomes()
         self.codec = TagCodec(
             fields=2 * config.layers,
@@ -153,6 +166,21 @@ class Cluster:
             for i in range(sum(shape.count for shape in config.prefill))
         ]
         self.bootstrap_by_addr = {server.addr: server for server in self.bootstrap}
+        # Which instances have a staging region (docs/wire.md#staged-transfers).
+        share = config.staging
+        draw = self.staging_rng.random
+        self.prefill_staging = [
+            bool(share) and draw() < share for shape in config.prefill for _ in range(shape.count)
+        ]
+        self.decode_staging = [
+            bool(share) and draw() < share for shape in config.decode for _ in range(shape.count)
+        ]
+        self.staging.prefill_instances = sum(self.prefill_staging)
+        self.staging.decode_instances = sum(self.decode_staging)
+        #: Prefill control routes ``(ip, port)`` that offer staging.
+        self.staging_routes: set[tuple[str, int]] = set()
+        #: Decode instances whose next scatter crashes them halfway (the crash fault).
+        self.scatter_traps: set[int] = set()
         self.prefill: list[list[PrefillGroup]] = []
         for shape in config.prefill:
             for _ in range(shape.count):
@@ -313,6 +341,26 @@ class Cluster:
             for _ in range(_poisson(rng, faults.sleep)):
                 when = rng.uniform(0.0, self.window)
                 self.queue.at(when, self._sleep, rng.choice(groups))
+        staged = [i for i, on in enumerate(self.decode_staging) if on]
+        if faults.crash and staged:
+            # Crashes in the middle of a scatter: armed at a random moment, sprung by
+            # the instance's next scatter.
+            for _ in range(_poisson(rng, faults.crash)):
+                when = rng.uniform(0.0, span)
+                self.queue.at(when, self._arm_scatter_trap, rng.choice(staged))
+
+    def _arm_scatter_trap(self, instance: int) -> None:
+        if self.draining_until is None:
+            self.scatter_traps.add(instance)
+
+    def crash_in_scatter(self, argument: tuple[int, int]) -> None:
+        """A Decode instance crashes halfway through a scatter of ``room``."""
+        instance, room = argument
+        before = self.crashes
+        self.timeline.note(room, self.now, f"d{instance}", "crash in the middle of a scatter")
+        self._crash(self.decode_instances[instance])
+        if self.crashes > before:
+            self.staging.scatter_crashes += 1
 
     def _bootstrap_crash(self, argument: tuple[BootstrapServer, float]) -> None:
         server, outage = argument
@@ -357,7 +405,7 @@ class Cluster:
         for instance in self.decode:
             if instance.alive:
                 for drank in instance.ranks:
-                    self._audit_decode(instance, drank.core, drank.name, draining=False)
+                    self._audit_decode(instance, drank, draining=False)
         if self.draining_until is None:
             # Often while requests arrive, then once a second while timeouts run.
             busy = self.now <= self.window + 1.0
@@ -393,15 +441,25 @@ class Cluster:
         bound(where, "transfers_in_flight", stats["transfers_in_flight"], known)
         bound(where, "writing_rooms", stats.get("writing_rooms", 0), engine.pending)
         bound(where, "deferred_notices", stats.get("deferred_notices", 0), engine.pending)
+        region = rank.staging
+        if region is not None:
+            held = {room for _, _, room, _ in region.held}
+            bound(where, "staged_rooms", stats.get("staged_rooms", 0), len(held))
+            if draining and region.held:
+                self.checker.violate(
+                    Check.STAGING,
+                    where,
+                    f"staged blobs still held after drain: rooms {sorted(held)}",
+                    next(iter(held)),
+                )
         sessions = len(self.sessions) + len(self.retired_sessions)
         bound(where, "registrations", stats["registrations"], sessions)
         bound(where, "failed_sessions", stats["failed_sessions"], sessions)
         bound(where, "rejected", stats["rejected"], REJECTED_SESSION_MEMORY)
         bound(where, "failed_room_memory", stats["failed_room_memory"], FAILED_ROOM_MEMORY)
 
-    def _audit_decode(
-        self, instance: DecodeInstance, core: DecodeCore, where: str, *, draining: bool
-    ) -> None:
+    def _audit_decode(self, instance: DecodeInstance, rank: DecodeRank, *, draining: bool) -> None:
+        core, where = rank.core, rank.name
         stats = core.statistics()
         if draining:
             left = {k: stats[k] for k in DECODE_PER_ROOM if stats.get(k)}
@@ -419,6 +477,17 @@ class Cluster:
             bound(where, name, stats[name], tracked)
         bound(where, "traces", stats["traces"], stats["rooms"])
         bound(where, "held_rooms", stats.get("held_rooms", 0), len(instance.held))
+        bound(where, "scattering", stats.get("scattering", 0), tracked + len(instance.held))
+        region = rank.staging
+        if region is not None and stats.get("staging_slots", 0) != len(region.claims):
+            claims = sorted((c.room, c.offset) for c in region.claims.values())
+            self.checker.violate(
+                Check.STAGING,
+                where,
+                f"the core holds {stats.get('staging_slots', 0)} staging slots, where the slots "
+                f"it offered and has not taken back are {len(claims)}: {claims[:4]}",
+                claims[0][0] if claims else None,
+            )
         prefill_ranks = sum(len(g.ranks) for groups in self.prefill for g in groups)
         bound(where, "awaiting_rank", stats["awaiting_rank"], tracked * prefill_ranks)
         bound(where, "addresses", stats["addresses"], len(self.bootstrap))
@@ -444,7 +513,7 @@ class Cluster:
         for instance in self.decode:
             if instance.alive:
                 for drank in instance.ranks:
-                    self._audit_decode(instance, drank.core, drank.name, draining=True)
+                    self._audit_decode(instance, drank, draining=True)
 
     def stale_registrations(self) -> int:
         """Registrations, over every live Prefill rank, of sessions that died."""
@@ -533,9 +602,16 @@ class Cluster:
             fenced=tuple(checker.fenced),
             fenced_corruptions=checker.fenced_corruptions,
             stale_registrations=self.stale_registrations(),
+            staging=self._staging_figures(),
             timelines=timelines,
             events=tuple(self.events),
         )
+
+    def _staging_figures(self) -> StagingStats:
+        stats = self.staging
+        stats.rooms = len(stats.staged_rooms)
+        stats.staged_rooms = set()
+        return stats
 
 
 def run(config: SimConfig, seed: int) -> SimResult:

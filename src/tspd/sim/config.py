@@ -16,6 +16,12 @@ the prompt is computed in chunks of ``prefill_chunk`` tokens per forward, every
 forward arms its chunks on every rank (:meth:`~tspd.core.prefill.PrefillCore.arm_layerwise`)
 and advances each rank's producer step counter one layer at a time, and the
 transfer engine waits for each interval's step (:mod:`tspd.sim.layerwise`).
+
+``staging`` gives that share of the Prefill and of the Decode instances a staging
+region (docs/wire.md#staged-transfers; which ones is drawn from the seed): between
+two that have one, a full transfer's destination write goes as one blob, gathered
+on the Prefill, written into a slot of the Decode's region and scattered there
+(:mod:`tspd.sim.staging`).
 """
 
 from __future__ import annotations
@@ -110,6 +116,8 @@ class Faults:
       :meth:`~tspd.core.prefill.PrefillCore.check_release` is asked and the arena's
       registration released (its contents are lost); it wakes after
       ``Timings.sleep_time`` and serves again.
+    * ``garble``: a staged blob lands with its magic damaged (``SimConfig.staging``
+      only), so the Decode must refuse it and fail the room.
     """
 
     loss: float = 0.0
@@ -124,6 +132,7 @@ class Faults:
     hedge: float = 0.0
     bootstrap_crash: float = 0.0
     sleep: float = 0.0
+    garble: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -141,7 +150,17 @@ class Faults:
 
 #: The settings ``tspd sim`` takes as options.
 _ON_THE_COMMAND_LINE: Final = frozenset(
-    {"rooms", "prefill", "decode", "faults", "fencing", "layerwise", "layers", "layerwise_interval"}
+    {
+        "rooms",
+        "prefill",
+        "decode",
+        "faults",
+        "fencing",
+        "layerwise",
+        "layers",
+        "layerwise_interval",
+        "staging",
+    }
 )
 
 #: Faults whose value is an expected count per run rather than a probability.
@@ -167,6 +186,7 @@ FAULT_DEFAULTS: Final[dict[str, float]] = {
     "hedge": 0.02,
     "bootstrap_crash": 1.0,
     "sleep": 1.0,
+    "garble": 0.01,
 }
 
 
@@ -219,7 +239,9 @@ class Timings:
     (each outage is drawn between a tenth and twice it); ``reregister_interval`` how
     often a Prefill rank ``PUT``\\ s its route again (0: never, only when it starts,
     as :mod:`tspd.shell.prefill` does); ``sleep_time`` how long a Prefill DP group
-    sleeps once its arena is released.
+    sleeps once its arena is released. ``scatter_time`` is the mean time a Decode
+    rank takes to check and scatter a staged blob (each scatter is drawn between
+    half of it and ten and a half times it).
     """
 
     bootstrap_timeout: float = 30.0
@@ -242,6 +264,7 @@ class Timings:
     bootstrap_outage: float = 8.0
     reregister_interval: float = 0.0
     sleep_time: float = 2.0
+    scatter_time: float = 0.0002
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +280,13 @@ class SimConfig:
     ``layerwise`` streams KV layerwise (``layerwise_interval`` producer steps per
     transfer interval, one step per layer) instead of full transfers; the Prefill
     then computes prompts in forwards of at most ``prefill_chunk`` tokens.
+
+    ``staging`` is the share of Prefill instances, and of Decode instances, that
+    have a staging region of ``staging_bytes`` bytes on every rank (0: none, the
+    plain protocol only; 1: all); each instance's draw comes from the seed. The
+    cores' thresholds are ``staging_min_copies`` (Prefill) and
+    ``staging_min_bytes`` (Decode), small enough here for most rooms to be staged;
+    a blob is gathered and written in parts of ``staging_part_bytes`` bytes.
     """
 
     rooms: int = 200
@@ -276,8 +306,36 @@ class SimConfig:
     layerwise: bool = False
     layerwise_interval: int = 1
     prefill_chunk: int = 12
+    staging: float = 0.0
+    staging_bytes: int = 64 << 10
+    staging_min_copies: int = 4
+    staging_min_bytes: int = 512
+    staging_part_bytes: int = 2048
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.staging <= 1.0:
+            raise ConfigError(
+                f"staging is the share of instances with a staging region, in [0, 1]; "
+                f"got {self.staging}"
+            )
+        if (
+            self.staging_bytes < 0
+            or self.staging_min_copies < 1
+            or self.staging_min_bytes < 0
+            or self.staging_part_bytes < 1
+        ):
+            raise ConfigError(
+                f"staging_bytes ({self.staging_bytes}) and staging_min_bytes "
+                f"({self.staging_min_bytes}) must not be negative, staging_min_copies "
+                f"({self.staging_min_copies}) and staging_part_bytes "
+                f"({self.staging_part_bytes}) must be at least 1"
+            )
+        if self.staging and self.head_dim < 4:
+            # A staged blob carries each cell's tag in the cell's first 8 bytes.
+            raise ConfigError(
+                f"staged transfers need a head_dim of at least 4 (cells of 8 bytes or more), "
+                f"got {self.head_dim}"
+            )
         if self.rooms < 0:
             raise ConfigError(f"rooms must not be negative, got {self.rooms}")
         if self.layers < 1 or self.layerwise_interval < 1 or self.prefill_chunk < 1:
@@ -317,6 +375,8 @@ class SimConfig:
             line += " --layerwise"
             if self.layerwise_interval != 1:
                 line += f" --layerwise-interval {self.layerwise_interval}"
+        if self.staging:
+            line += f" --staging {self.staging:g}"
         default = SimConfig()
         others = [
             f"{f.name}={getattr(self, f.name)!r}"

@@ -30,6 +30,23 @@ A crash loses every rank's tables, the scheduler's requests and the arenas; afte
 the restart delay the instance comes back with new cores, new status ports and new
 transfer sessions (Decode churn).
 
+Staged transfers (docs/wire.md#staged-transfers): an instance with a staging
+region (``SimConfig.staging``) gives every rank one
+(:class:`~tspd.sim.staging.DecodeStaging`) and the core its staging settings. A
+pre-allocation that offers a slot *claims* it for the room; the claim ends when
+the scheduler learns the room's pages are returned (``RemotePrefillDone``,
+``Failed`` with its pages not held, ``PagesReleased``), which is when the core
+frees its slots. A slot offered while it overlaps a live claim is a ``staging``
+violation, and so is a core whose slot count differs from the claims.
+:meth:`DecodeInstance.land_staged` lands a staged write's parts in the region (a
+part outside a claim of its room is ``fencing``). ``ScatterStaged`` starts a
+scatter that takes ``Timings.scatter_time`` or so: at its end the slot's blob is
+checked as the shell checks it (:func:`tspd.sim.staging.read_checked`), its data
+copied into the room's pages (each page must still be the room's: ``staging``)
+and the core told with ``staged_done``; a refusal of a blob that nothing but its
+own room's write touched is a ``staging`` violation. A crash during the scatter
+loses it with everything else (the ``crash`` fault arms such crashes too).
+
 An instance of several attention-DP groups (``1xTP2DP2``) is one
 :class:`DecodeInstance` per group, each a TP group with its own scheduler, ranks,
 sessions and pages; the router sends a room to group ``room % dp_size`` of its
@@ -42,24 +59,36 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tspd.core import wire
 from tspd.core.commands import (
     Bootstrapped,
     Command,
+    Event,
     Failed,
     FetchParallelInfo,
     FetchRankInfo,
     PagesReleased,
     RemotePrefillDone,
+    ScatterStaged,
     SendFrames,
 )
 from tspd.core.copies import CopyPlan
 from tspd.core.decode import DecodeConfig, DecodeCore
 from tspd.core.machines import RoomState
+from tspd.core.staging import BLOB_ENTRY_BYTES, BLOB_HEADER_BYTES
 from tspd.sim import arena
 from tspd.sim.agreement import iterate_group
 from tspd.sim.bootstrap import BootstrapServer
 from tspd.sim.invariants import Check
 from tspd.sim.notes import record
+from tspd.sim.staging import (
+    ByteArray,
+    Claim,
+    DecodeStaging,
+    Int64Array,
+    decode_cells,
+    read_checked,
+)
 from tspd.sim.workload import Request
 
 if TYPE_CHECKING:
@@ -101,6 +130,7 @@ class DecodeRank:
         "port",
         "seen",
         "session",
+        "staging",
         "timer_at",
         "timer_spins",
         "tp_rank",
@@ -136,11 +166,23 @@ class DecodeRank:
         self.arena: list[int | None] = [None] * self.geometry.cells
         timings = config.timings
         # Cores with write fencing hold a failed room's pages up to this long.
-        fencing = (
+        options: dict[str, float] = (
             {"quarantine_timeout": timings.quarantine_timeout}
             if "quarantine_timeout" in DecodeConfig.__dataclass_fields__
             else {}
         )
+        #: The staging region (docs/wire.md#staged-transfers), when the instance has one.
+        self.staging = (
+            DecodeStaging(cluster.next_base() << 32, config.staging_bytes)
+            if instance.staging
+            else None
+        )
+        if self.staging is not None:
+            options |= {
+                "staging_bytes": config.staging_bytes,
+                "staging_base": self.staging.base,
+                "staging_min_bytes": config.staging_min_bytes,
+            }
         self.core = DecodeCore(
             DecodeConfig(
                 tp_size=instance.tp,
@@ -152,7 +194,7 @@ class DecodeRank:
                 port=self.port,
                 waiting_timeout=timings.waiting_timeout,
                 heartbeat_max_failures=timings.heartbeat_max_failures,
-                **fencing,  # type: ignore[arg-type]
+                **options,  # type: ignore[arg-type]
             )
         )
         self.seen: dict[int, RoomState] = {}
@@ -185,6 +227,8 @@ class DecodeInstance:
         self.dp = dp
         self.dp_size = dp_size
         self.name = f"d{index}" + (f".{dp}" if dp_size > 1 else "")
+        #: Whether the instance's ranks have a staging region.
+        self.staging = cluster.decode_staging[index]
         self.ranks: list[DecodeRank] = []
         self.alive = False
         self.incarnation = 0
@@ -302,13 +346,15 @@ class DecodeInstance:
         if kind is SendFrames:
             assert isinstance(command, SendFrames)
             room = command.room
+            host = command.endpoint.split(":", 1)[0]
             if room is not None:
                 touched.add(room)
                 what = "register" if command.frames[0] == b"None" else "pre-allocate"
+                if what == "pre-allocate" and rank.staging is not None:
+                    what += self._offered(rank, host, command)
                 cluster.timeline.note(
                     room, now, rank.name, f"{what} with {command.endpoint}:{command.port}"
                 )
-            host = command.endpoint.split(":", 1)[0]
             cluster.network.send(rank.ip, host, command.port, command.frames, room, rank.name)
         elif kind is FetchParallelInfo:
             assert isinstance(command, FetchParallelInfo)
@@ -316,8 +362,260 @@ class DecodeInstance:
         elif kind is FetchRankInfo:
             assert isinstance(command, FetchRankInfo)
             self._fetch(rank, command.bootstrap_addr, (command.engine_rank, command.dp_group))
+        elif kind is ScatterStaged:
+            assert isinstance(command, ScatterStaged)
+            touched.add(command.room)
+            self._scatter(rank, command)
         else:
             record(cluster, rank.name, command, touched, now)
+
+    # ------------------------------------------------------------------ staging
+
+    def _offered(self, rank: DecodeRank, host: str, command: SendFrames) -> str:
+        """A pre-allocation from a rank with a staging region: claim the slot it
+        offers (none may overlap a live claim); a note for the timeline."""
+        cluster, region, room = self.cluster, rank.staging, command.room
+        assert region is not None
+        assert room is not None
+        frames = command.frames
+        stats = cluster.staging
+        if len(frames) != 4:
+            if not frames[2]:
+                return ""  # a dummy pre-allocation
+            if (host, command.port) in cluster.staging_routes:
+                stats.slots_declined += 1
+                return " (no staging slot)"
+            stats.to_plain_prefill += 1
+            return ""
+        slot = wire.decode_preallocation(list(frames), staging=True).slot
+        assert slot is not None
+        offset, length = slot
+        stats.slots_offered += 1
+        if offset + length > len(region.data):
+            cluster.checker.violate(
+                Check.STAGING,
+                rank.name,
+                f"offered staging slot {offset}..{offset + length} past its "
+                f"{len(region.data)}-byte region",
+                room,
+            )
+        for other in region.overlapping(offset, length):
+            cluster.checker.violate(
+                Check.STAGING,
+                rank.name,
+                f"offered staging bytes {offset}..{offset + length} to room {room} while room "
+                f"{other.room} still holds {other.offset}..{other.offset + other.length} (its "
+                "pages were not returned)",
+                room,
+            )
+        region.claims[offset] = Claim(offset, length, room, cluster.room_index[room])
+        return f" (staging slot {offset}+{length})"
+
+    def _release_slots(self, events: list[Event]) -> None:
+        """The concluded events that return a room's pages return its slots: the
+        core freed them in the same ``conclude``."""
+        for event in events:
+            if isinstance(event, (RemotePrefillDone, PagesReleased)) or (
+                isinstance(event, Failed) and not event.pages_held
+            ):
+                for rank in self.ranks:
+                    if rank.staging is not None:
+                        rank.staging.release(event.room)
+
+    def _scatter(self, rank: DecodeRank, command: ScatterStaged) -> None:
+        """The core asks for a staged blob's scatter: it ends after a while."""
+        cluster = self.cluster
+        stats = cluster.staging
+        stats.scatters += 1
+        region = rank.staging
+        room = command.room
+        claim = region.claims.get(command.slot_offset) if region is not None else None
+        if claim is None or claim.room != room or claim.length != command.slot_length:
+            whose = "no room's" if claim is None else f"room {claim.room}'s"
+            cluster.checker.violate(
+                Check.STAGING,
+                rank.name,
+                f"scatters the blob of Prefill rank {command.prefill_rank} from staging slot "
+                f"{command.slot_offset}+{command.slot_length}, which is {whose} slot",
+                room,
+            )
+        timings = cluster.config.timings
+        duration = timings.scatter_time * (0.5 + min(cluster.staging_rng.expovariate(1.0), 10.0))
+        cluster.timeline.note(
+            room,
+            cluster.now,
+            rank.name,
+            f"scatter of a {command.staged_bytes}-byte blob from Prefill rank "
+            f"{command.prefill_rank} begins",
+        )
+        if self.index in cluster.scatter_traps:
+            cluster.scatter_traps.discard(self.index)
+            cluster.queue.after(duration / 2, cluster.crash_in_scatter, (self.index, room))
+        cluster.queue.after(duration, self._scattered, (self.incarnation, rank, command))
+
+    def _scattered(self, argument: tuple[int, DecodeRank, ScatterStaged]) -> None:
+        """The scatter's end: the shell's checks, the copy, ``staged_done``."""
+        incarnation, rank, command = argument
+        if incarnation != self.incarnation or not rank.alive:
+            return
+        cluster = self.cluster
+        stats = cluster.staging
+        region = rank.staging
+        assert region is not None
+        room = command.room
+        claim = region.claims.get(command.slot_offset)
+        if claim is None or claim.room != room:
+            whose = "freed" if claim is None else f"given to room {claim.room}"
+            cluster.checker.violate(
+                Check.STAGING,
+                rank.name,
+                f"staging slot {command.slot_offset}+{command.slot_length} was {whose} before "
+                f"the scatter of the blob from Prefill rank {command.prefill_rank} ended (the "
+                "room's pages were returned while a Prefill rank still wrote them)",
+                room,
+            )
+        checked = read_checked(region, command)
+        error: str | None = None
+        if isinstance(checked, str):
+            error = checked
+            stats.refused += 1
+            cluster.timeline.note(room, cluster.now, rank.name, f"staged blob refused: {error}")
+            if claim is not None and not claim.damaged:
+                cluster.checker.violate(
+                    Check.STAGING,
+                    rank.name,
+                    f"refused the staged blob of Prefill rank {command.prefill_rank}, though "
+                    f"nothing but the room's own write reached its slot: {error}",
+                    room,
+                )
+        else:
+            self._copy_blob(rank, room, *checked)
+            stats.scattered += 1
+            stats.staged_rooms.add(room)
+            cluster.timeline.note(room, cluster.now, rank.name, "staged blob scattered")
+        cluster.focus = room
+        rank.core.staged_done(room, command.prefill_rank, error, cluster.now)
+        self.pump(rank, (room,))
+
+    def _copy_blob(
+        self, rank: DecodeRank, room: int, dst: Int64Array, lengths: Int64Array, blob: ByteArray
+    ) -> None:
+        """Copy a checked blob's data into the page model (the shell's
+        ``scatter_blob``): whole cells, into pages the room still owns."""
+        cluster = self.cluster
+        geometry, cells = rank.geometry, rank.arena
+        cell = geometry.cell_bytes
+        page_of_cell, chunk_end, owner = geometry.page_of_cell, geometry.chunk_end, self.owner
+        index = cluster.room_index[room]
+        bad = (dst % cell != 0) | (lengths % cell != 0) | (dst + lengths > len(cells) * cell)
+        if bad.any():
+            i = int(bad.argmax())
+            cluster.checker.violate(
+                Check.DATA,
+                rank.name,
+                f"staged blob entry {i} ({int(dst[i])}, {int(lengths[i])}) is not whole cells "
+                "of the arena",
+                room,
+            )
+        at = BLOB_HEADER_BYTES + BLOB_ENTRY_BYTES * len(dst)
+        # Every entry is whole cells, so the data decodes as cells in one go.
+        data = decode_cells(blob[at : at + int(lengths.sum())], cell)
+        taken = 0
+        for d, m in zip(dst.tolist(), lengths.tolist(), strict=True):
+            c, end = d // cell, (d + m) // cell
+            first = c
+            while c < end:
+                page = page_of_cell[c]
+                if page <= 0 or owner.get(page) != index:
+                    holder = owner.get(page)
+                    whose = "no room's" if holder is None else f"room#{holder}'s"
+                    cluster.checker.violate(
+                        Check.STAGING,
+                        rank.name,
+                        f"the scatter writes page {page}, which is {whose} page, not the room's "
+                        "(a scatter must end before its room's pages are returned)",
+                        room,
+                    )
+                c = chunk_end[c]
+            cells[first:end] = data[taken : taken + end - first]
+            taken += end - first
+
+    def land_staged(
+        self,
+        target: DecodeRank,
+        source: PrefillRank,
+        room: int,
+        parts: CopyPlan,
+        count: int,
+        late: bool,
+        garbled: bool,
+    ) -> None:
+        """The first ``count`` parts of a staged write of ``room`` land in
+        ``target``'s staging region (if its process still lives), read from the
+        Prefill's staging region now; each part must lie in a slot the room claims
+        (else ``fencing``, and the claims it touched are damaged)."""
+        if not target.alive:
+            return
+        cluster = self.cluster
+        region, origin = target.staging, source.staging
+        if region is None or origin is None:
+            cluster.checker.violate(
+                Check.STAGING,
+                source.name,
+                f"a staged write from {source.name} reached {target.name}, and one of them has "
+                "no staging region",
+                room,
+            )
+            return
+        index = cluster.room_index[room]
+        foreign: tuple[int, int, list[Claim]] | None = None
+        first: int | None = None
+        srcs, dsts, lengths = parts.tolist()
+        for src, dst, length in zip(srcs[:count], dsts[:count], lengths[:count], strict=True):
+            s, d = src - origin.base, dst - region.base
+            if not (0 <= s <= len(origin.data) - length and 0 <= d <= len(region.data) - length):
+                cluster.checker.violate(
+                    Check.DATA,
+                    source.name,
+                    f"staged part {(src, dst, length)} leaves a staging region",
+                    room,
+                )
+            region.data[d : d + length] = origin.data[s : s + length]
+            first = d if first is None else first
+            claims = region.overlapping(d, length)
+            if not any(c.index == index and c.covers(d, length) for c in claims):
+                foreign = foreign or (d, length, claims)
+            for claim in claims:
+                if claim.index != index:
+                    claim.damaged = True
+        if garbled and first is not None:
+            region.data[first] ^= 0xFF
+            cluster.staging.garbled += 1
+            for claim in region.overlapping(first, 1):
+                claim.damaged = True
+        what = "late staged write" if late else "staged write"
+        cluster.timeline.note(
+            room,
+            cluster.now,
+            target.name,
+            f"{what} from {source.name} lands ({count} of {len(parts)} parts"
+            + (", garbled)" if garbled else ")"),
+        )
+        if foreign is not None:
+            d, length, claims = foreign
+            whose = (
+                "a free staging slot"
+                if not claims
+                else "the staging slot of " + ", ".join(f"room#{c.index}" for c in claims)
+            )
+            self.fenced.add(index)
+            cluster.staging.late_blobs += 1
+            cluster.checker.fencing(
+                target.name,
+                f"a {what} from {source.name} landed in {whose} (bytes {d}..{d + length}) after "
+                "the room gave its slot up here",
+                room,
+            )
 
     def _fetch(self, rank: DecodeRank, addr: str, target: tuple[int, int] | None) -> None:
         cluster = self.cluster
@@ -452,6 +750,8 @@ class DecodeInstance:
         )
         if events is None:
             return
+        if self.staging:
+            self._release_slots(events[0])
         rooms = [r.room for e in events[0] if (r := self.requests.get(e.rid)) is not None]
         for rank in ranks:
             self.pump(rank, rooms, wake=False)

@@ -32,6 +32,14 @@ on what that event touched:
   :meth:`~tspd.core.prefill.PrefillCore.check_release` lets the release happen,
   and none is issued until the wake; and a release is refused only while the
   scheduler tracks a request.
+* ``staging`` — staged transfers (docs/wire.md#staged-transfers,
+  :mod:`tspd.sim.staging`): no staging slot is offered to a room while another
+  room's slot overlapping it is live (its pages not returned), and no Prefill blob
+  overlaps one a chunk still holds; a Decode core's slot count is the slots it
+  offered and has not taken back, and both sides hold none after the drain; a
+  blob is gathered exactly as planned and scattered from its room's own slot, into
+  pages the room still owns; and a blob that nothing but its own room's write
+  touched is never refused.
 
 A strict violation stops the run at once: :class:`SimulationFailed` carries the
 seed, the configuration and the timeline of the room that broke.
@@ -70,6 +78,7 @@ class Check(enum.StrEnum):
     BOUNDS = "bounds"
     RAISED = "raised"
     RELEASED = "released"
+    STAGING = "staging"
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,8 +44,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from tspd.core.bootstrap import build_route_payload
-from tspd.core.commands import Bootstrapped, Command, Failed, SendFrames, StartTransfer, Succeeded
+from tspd.core.bootstrap import STAGING_FIELD, build_route_payload
+from tspd.core.commands import (
+    Bootstrapped,
+    Command,
+    Failed,
+    Log,
+    SendFrames,
+    StartTransfer,
+    Succeeded,
+)
 from tspd.core.errors import ProtocolError
 from tspd.core.machines import RoomState
 from tspd.core.prefill import PrefillConfig, PrefillCore
@@ -54,6 +62,7 @@ from tspd.sim.agreement import iterate_group
 from tspd.sim.invariants import Check
 from tspd.sim.layerwise import ForwardLoop
 from tspd.sim.notes import record
+from tspd.sim.staging import PrefillStaging
 from tspd.sim.transfers import SimEngine
 from tspd.sim.workload import Request
 
@@ -82,6 +91,7 @@ class PrefillRank:
         "registered",
         "schedule",
         "seen",
+        "staging",
         "steps",
         "timer_at",
         "timer_spins",
@@ -120,6 +130,21 @@ class PrefillRank:
         self.base = (cluster.next_base()) << 32
         self.arena: list[int | None] = [None] * self.geometry.cells
         timings = config.timings
+        #: The staging region (docs/wire.md#staged-transfers), when the instance has one.
+        self.staging = (
+            PrefillStaging(cluster.next_base() << 32, config.staging_bytes)
+            if group.staging
+            else None
+        )
+        staging = (
+            {
+                "staging_bytes": config.staging_bytes,
+                "staging_base": self.staging.base,
+                "staging_min_copies": config.staging_min_copies,
+            }
+            if self.staging is not None
+            else {}
+        )
         self.core = PrefillCore(
             PrefillConfig(
                 tp_size=group.tp,
@@ -132,6 +157,7 @@ class PrefillRank:
                 failed_session_ttl=timings.failed_session_ttl,
                 layerwise=self.schedule if config.layerwise else None,
                 layerwise_interval=config.layerwise_interval,
+                **staging,  # type: ignore[arg-type]
             )
         )
         self.engine = SimEngine(cluster, self, config.transfer_workers)
@@ -163,6 +189,8 @@ class PrefillGroup:
         self.dp_size = dp_size
         self.tp = tp
         self.name = f"p{instance}" + (f".{dp}" if dp_size > 1 else "")
+        #: Whether the instance's ranks have a staging region.
+        self.staging = cluster.prefill_staging[instance]
         self.ranks: list[PrefillRank] = []
         self.alive = False
         self.incarnation = 0
@@ -213,6 +241,8 @@ class PrefillGroup:
         interval = cluster.config.timings.reregister_interval
         for rank in self.ranks:
             cluster.network.listen(rank.ip, rank.port, rank.name, rank.on_control)
+            if self.staging:
+                cluster.staging_routes.add((rank.ip, rank.port))
             self._register(rank)
             if interval > 0:
                 cluster.queue.after(interval, self._reregister, rank)
@@ -230,6 +260,8 @@ class PrefillGroup:
             dp_size=self.dp_size,
             cache_layout=rank.core.config.contract.to_json(),
         )
+        if rank.staging is not None:
+            payload[STAGING_FIELD] = True
         delay, ok = cluster.network.exchange(rank.ip, server.host, server.up)
         if ok:
             cluster.queue.after(delay / 2, self._put, (rank, payload, server.incarnation))
@@ -353,6 +385,10 @@ class PrefillGroup:
                 room, now, rank.name, f"transfer queued on worker {command.shard}"
             )
         else:
+            if kind is Log and rank.staging is not None:
+                assert isinstance(command, Log)
+                if " unstaged: " in command.message:
+                    cluster.staging.unstaged += 1
             record(cluster, rank.name, command, touched, now)
 
     def on_timer(self, rank: PrefillRank) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from tspd.sim.config import SimConfig
 from tspd.sim.invariants import SimulationFailed, Violation
 from tspd.sim.network import NetworkStats
+from tspd.sim.staging import StagingStats
 from tspd.sim.transfers import TransferStats
 
 __all__ = ["Outcomes", "SimResult"]
@@ -34,7 +35,8 @@ class SimResult:
     ``stale_registrations`` counts, over every Prefill rank at the end, the
     registrations of Decode sessions whose process had died (they are never
     dropped, so they grow with Decode churn). ``bootstrap_crashes`` and ``sleeps``
-    count the bootstrap servers that crashed and the Prefill groups that slept.
+    count the bootstrap servers that crashed and the Prefill groups that slept;
+    ``staging`` what staged transfers did (``SimConfig.staging``).
     """
 
     seed: int
@@ -56,6 +58,7 @@ class SimResult:
     stale_registrations: int
     timelines: dict[int, str] = field(default_factory=dict)
     events: tuple[str, ...] = ()
+    staging: StagingStats = field(default_factory=StagingStats)
 
     @property
     def ok(self) -> bool:
@@ -78,10 +81,16 @@ class SimResult:
         """One line: outcomes, fencing, figures."""
         o = self.outcomes
         status = "ok" if self.ok else f"VIOLATION {self.violations[0].check}"
+        staged = ""
+        if self.config.staging:
+            s = self.staging
+            staged = (
+                f"; staged {s.rooms} rooms ({s.scattered} blobs scattered, {s.refused} refused)"
+            )
         return (
             f"seed {self.seed}: {status}; {self.rooms} rooms; prefill {o.prefill_succeeded} ok "
             f"{o.prefill_failed} failed; decode {o.decode_succeeded} ok {o.decode_failed} failed; "
             f"{o.lost} lost; fencing {len(self.fenced)}; stale registrations "
-            f"{self.stale_registrations}; {self.sim_seconds:.1f} sim s in "
+            f"{self.stale_registrations}{staged}; {self.sim_seconds:.1f} sim s in "
             f"{self.wall_seconds * 1000:.0f} ms ({self.steps} events)"
         )

@@ -39,6 +39,10 @@ class SweepResult:
     succeeded: int = 0
     failed: int = 0
     lost: int = 0
+    #: Staged transfers: rooms with a blob scattered, blobs scattered and refused.
+    staged_rooms: int = 0
+    scattered: int = 0
+    refused: int = 0
     failures: list[SimResult] = field(default_factory=list)
     #: The first run that reported fencing violations, to show one.
     first_fenced: SimResult | None = None
@@ -66,6 +70,9 @@ class SweepResult:
         self.succeeded += o.decode_succeeded
         self.failed += o.decode_failed
         self.lost += o.lost
+        self.staged_rooms += result.staging.rooms
+        self.scattered += result.staging.scattered
+        self.refused += result.staging.refused
         if not result.ok:
             self.failures.append(result)
 
@@ -82,6 +89,13 @@ class SweepResult:
             f"fencing ({self.config.fencing}): {self.fenced} late writes in "
             f"{self.fenced_seeds} seeds ({self.fenced_corruptions} corrupted a later room's page)",
             f"stale registrations at the end: {self.stale_registrations}",
+        ]
+        if self.config.staging:
+            lines.append(
+                f"staged transfers: {self.staged_rooms} rooms staged, {self.scattered} blobs "
+                f"scattered, {self.refused} refused"
+            )
+        lines += [
             f"{self.seeds / wall:.1f} seeds/s, {self.sim_seconds / wall:.0f} simulated s per "
             f"wall s, {self.rooms / wall:.0f} rooms/s ({self.steps / wall:.0f} events/s)",
         ]

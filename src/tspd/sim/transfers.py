@@ -25,6 +25,18 @@ Bytes land through :meth:`tspd.sim.decode.DecodeInstance.land`, which reads the
 source cells at that moment (an RDMA write reads its source while it runs) and
 checks fencing.
 
+A staged write (``DestinationWrite.staged``, docs/wire.md#staged-transfers) is
+gathered into its blob in the rank's staging region when it is issued
+(:func:`tspd.sim.staging.gather`), and is then one engine call like any other
+(same latency, failures, hangs and late landings) whose copies are the blob's
+parts; an ``xfail`` lands a prefix of the parts, and
+:meth:`tspd.sim.decode.DecodeInstance.land_staged` copies them into the Decode's
+staging region, reading the Prefill's region at that moment. The ``garble``
+fault damages the blob's magic as it lands. The blobs a chunk holds in the rank's
+staging region are its *holdings* from the chunk's queueing to its
+``transfer_done`` (when the core frees them): a new one that overlaps a held one is
+a ``staging`` violation.
+
 Layerwise chunks (:mod:`tspd.sim.layerwise`): before an interval with a target
 step, the worker waits as the shell's workers do (:mod:`tspd.shell.transfers`): it
 asks whether to stop (the room ended: ``Cache-transfer layerwise wait aborted
@@ -42,8 +54,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tspd.core.commands import DestinationWrite, StartTransfer
+from tspd.core.copies import CopyPlan
 from tspd.core.schedule import step_ready
 from tspd.sim.invariants import Check
+from tspd.sim.staging import gather
 
 if TYPE_CHECKING:
     from tspd.sim.cluster import Cluster
@@ -106,6 +120,15 @@ class _Write:
     landing: int
     #: Issue order, for reports.
     seq: int = 0
+    #: A staged write's copies: its blob's parts, staging region to slot.
+    parts: CopyPlan | None = None
+    #: The ``garble`` fault damages the blob's magic when its first part lands.
+    garbled: bool = False
+
+    @property
+    def copies(self) -> CopyPlan:
+        """What the engine call copies: the plan, or a staged write's parts."""
+        return self.write.plan if self.parts is None else self.parts
 
 
 class SimEngine:
@@ -153,6 +176,8 @@ class SimEngine:
         worker.jobs.append(job)
         self.pending += 1
         self.cluster.stats.chunks += 1
+        if self.rank.staging is not None:
+            self._hold(job)
         if not worker.busy:
             self._start_next(worker)
         return worker.bound
@@ -263,11 +288,37 @@ class SimEngine:
             rank.core.transfer_succeeded(room, cluster.now)
         self._finish(run)
 
+    def _hold(self, job: StartTransfer) -> None:
+        """The chunk's staged blobs are held in the rank's staging region until its
+        ``transfer_done``: none may overlap a blob another chunk holds."""
+        region = self.rank.staging
+        assert region is not None
+        for interval in job.intervals:
+            for write in interval.writes:
+                staged = write.staged
+                if staged is None:
+                    continue
+                start, end = staged.source_offset, staged.source_offset + staged.length
+                for offset, length, room, _ in region.held:
+                    if start < offset + length and offset < end:
+                        self.cluster.checker.violate(
+                            Check.STAGING,
+                            self.rank.name,
+                            f"the blob for {write.session_id} was given staging bytes "
+                            f"{start}..{end} of the Prefill rank, which room {room}'s blob "
+                            f"still holds ({offset}..{offset + length})",
+                            job.room,
+                        )
+                region.held.append((start, staged.length, job.room, job))
+
     def _finish(self, run: _Run) -> None:
         """The chunk is over (written, failed or stopped): tell the core, then run
         the worker's next chunk."""
         rank = self.rank
         self.pending -= 1
+        region = rank.staging
+        if region is not None and region.held:
+            region.held = [h for h in region.held if h[3] is not run.job]
         rank.core.transfer_done(run.job.room, self.cluster.now)
         rank.group.pump(rank, (run.job.room,))
         if rank.group.sleep == "closing":
@@ -299,17 +350,45 @@ class SimEngine:
         stats.writes += 1
         timings, faults, rng = cluster.config.timings, cluster.config.faults, cluster.engine_rng
         target = cluster.sessions.get(write.session_id)
-        copies = len(write.plan)
+        parts: CopyPlan | None = None
+        garbled = False
+        if write.staged is None:
+            if rank.staging is not None:
+                cluster.staging.in_place += 1
+        else:
+            gathered = gather(rank, write, cluster.config.staging_part_bytes)
+            if isinstance(gathered, str):
+                # The shell reports it as the chunk's failure; the core planned it.
+                cluster.checker.violate(
+                    Check.STAGING,
+                    rank.name,
+                    f"gathering the staged blob for {write.session_id} failed: {gathered}",
+                    room,
+                )
+                return
+            parts = gathered
+            cluster.staging.staged_writes += 1
+            garbled = bool(faults.garble) and cluster.staging_rng.random() < faults.garble
+            cluster.timeline.note(
+                room,
+                now,
+                rank.name,
+                f"staged write to {write.session_id}: a {write.staged.length}-byte blob of "
+                f"{len(write.plan)} copies in {len(parts)} parts",
+            )
+        copies = len(write.plan) if parts is None else len(parts)
         latency = timings.write_latency * (0.5 + min(rng.expovariate(1.0), 10.0))
         if target is None or not target.alive:
             stats.gone += 1
-            pending = _Write(run, write, None, False, "transfer failed: remote session gone", 0)
+            pending = _Write(
+                run, write, None, False, "transfer failed: remote session gone", 0, 0, parts
+            )
             cluster.timeline.note(room, now, rank.name, f"write to {write.session_id}: peer gone")
             cluster.queue.after(latency, self._done, self._track(pending))
             return
         if cluster.network.cut(rank.ip, target.ip) or (faults.hang and rng.random() < faults.hang):
             stats.hung += 1
-            pending = _Write(run, write, target, False, "transfer timed out", 0)
+            pending = _Write(run, write, target, False, "transfer timed out", 0, 0, parts, garbled)
             cluster.timeline.note(room, now, rank.name, f"write to {target.name} hangs")
             cluster.queue.after(timings.transfer_timeout, self._done, self._track(pending))
             if faults.late and rng.random() < faults.late:
@@ -319,10 +398,12 @@ class SimEngine:
             return
         if faults.xfail and rng.random() < faults.xfail:
             landing = rng.randrange(copies + 1) if rng.random() < 0.5 else 0
-            pending = _Write(run, write, target, False, "injected write failure", landing)
+            pending = _Write(
+                run, write, target, False, "injected write failure", landing, 0, parts, garbled
+            )
             cluster.queue.after(latency, self._done, self._track(pending))
             return
-        pending = _Write(run, write, target, True, "", copies)
+        pending = _Write(run, write, target, True, "", copies, 0, parts, garbled)
         cluster.queue.after(latency, self._done, self._track(pending))
 
     def _track(self, pending: _Write) -> _Write:
@@ -334,12 +415,20 @@ class SimEngine:
         if pending.target is None or count <= 0:
             return
         self.cluster.stats.landed += 1
+        room = pending.run.job.room
+        if pending.parts is not None:
+            pending.target.instance.land_staged(
+                pending.target, self.rank, room, pending.parts, count, late, pending.garbled
+            )
+            if count == len(pending.parts) and not late:
+                self.cluster.staging.blobs_landed += 1
+            return
         pending.target.instance.land(
-            pending.target, self.rank, pending.run.job.room, pending.write.plan, count, late
+            pending.target, self.rank, room, pending.write.plan, count, late
         )
 
     def _land_late(self, pending: _Write) -> None:
-        self._land(pending, len(pending.write.plan), True)
+        self._land(pending, len(pending.copies), True)
 
     def _done(self, pending: _Write) -> None:
         self._in_flight.discard(pending)
