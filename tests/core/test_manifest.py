@@ -654,3 +654,46 @@ def test_a_huge_prompt_len_from_a_peer_is_a_contract_error_not_an_overflow() -> 
     manifest = parse_manifest(payload)
     with pytest.raises(ContractError, match="block count disagrees"):
         validate_manifest(manifest, contract, "destination")
+
+
+def _read_one_by_one(table: Any, slots: range, bound: int) -> tuple[int, ...] | str:
+    """The definition: every slot's value, an integer that is not a bool, in (0, bound)."""
+    ids = []
+    for slot in slots:
+        raw = table[slot]
+        if isinstance(raw, bool | np.bool_) or not 0 < int(raw) < bound:
+            return f"table 'kv' logical slot {slot} has invalid block ID {raw}"
+        ids.append(int(raw))
+    return tuple(ids)
+
+
+@given(
+    values=st.lists(
+        st.one_of(st.integers(-3, 40), st.booleans(), st.integers(0, 40).map(np.int64)),
+        min_size=10,
+        max_size=10,
+    ),
+    form=st.sampled_from(["list", "tuple", "int64", "int32", "uint16", "bool"]),
+    prompt_len=st.integers(1, 40),
+)
+def test_a_row_reads_the_same_in_every_form(values: list[Any], form: str, prompt_len: int) -> None:
+    """Lists, tuples and integer arrays are read at C speed when every id is plain
+    and in range; whatever they hold, the result or the error is the one-by-one
+    definition's."""
+    if form in ("list", "tuple"):
+        table: Any = list(values) if form == "list" else tuple(values)
+    else:
+        raw = [int(v) for v in values]
+        if form in ("uint16", "bool") and min(raw) < 0:
+            return
+        table = np.array(raw, dtype=form)
+    tables: Any = {"kv": table, "state": [1, 2, 3]}
+    slots = logical_slots(CONTRACT.group("kv"), 0, prompt_len)
+    want = _read_one_by_one(table, slots, CONTRACT.virtual_block_count("kv"))
+    if isinstance(want, str):
+        with pytest.raises(ContractError) as info:
+            build_manifest(CONTRACT, tables, 0, prompt_len)
+        assert str(info.value) == want
+    else:
+        built = build_manifest(CONTRACT, tables, 0, prompt_len)
+        assert next(g.block_ids for g in built.groups if g.group_id == "kv") == want

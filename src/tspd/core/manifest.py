@@ -16,6 +16,7 @@ one, and S1's wording elsewhere; every failure is a
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -244,6 +245,9 @@ def _read(
     if slots and slots[-1] >= len(table):
         raise ContractError(f"table {gid!r} misses logical slot {slots[-1]}")
     bound = contract.virtual_block_count(gid)
+    fast = _read_ints(table, slots, bound)
+    if fast is not None:
+        return fast
     ids = []
     for slot in slots:
         raw = table[slot]
@@ -253,6 +257,36 @@ def _read(
             raise ContractError(f"table {gid!r} logical slot {slot} has invalid block ID {raw}")
         ids.append(block)
     return tuple(ids)
+
+
+def _read_ints(table: Sequence[int], slots: Sequence[int], bound: int) -> tuple[int, ...] | None:
+    """The usual row, read at C speed: a list, tuple or integer numpy array whose
+    ``slots`` hold plain ids in ``(0, bound)``; ``None`` for anything else (then the
+    checked loop reads it and names the first bad slot)."""
+    if not slots:
+        return None
+    if type(table) is list or type(table) is tuple:
+        if isinstance(slots, range) and slots.step == 1:
+            picked = list(table[slots.start : slots.stop])
+        else:
+            picked = [table[slot] for slot in slots]
+        if set(map(type, picked)) != {int}:
+            return None  # bools, numpy scalars, ...: one by one
+        ids = tuple(picked)
+    else:
+        numpy = sys.modules.get("numpy")  # a numpy array implies numpy is loaded
+        array: Any = table
+        if (
+            numpy is None
+            or type(array) is not numpy.ndarray
+            or array.ndim != 1
+            or array.dtype.kind not in "iu"
+        ):
+            return None
+        ids = tuple(array[numpy.asarray(slots)].tolist())
+    if min(ids) <= 0 or max(ids) >= bound:
+        return None
+    return ids
 
 
 def build_manifest(
