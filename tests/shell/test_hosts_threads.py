@@ -486,3 +486,42 @@ def test_poll_with_wait_brings_the_events_of_the_wake_in_one_call(pd: LocalPD) -
                 None,
             )
         assert isinstance(done, RemotePrefillDone), done
+
+
+def test_a_group_of_one_polls_in_one_plain_crossing_and_a_tp_group_must_agree(
+    pd: LocalPD,
+) -> None:
+    """A facade's ``poll()`` on a one-rank group runs the peer's ``poll_now`` as one
+    plain call in the Trio thread (no task, no agreement round); ``poll_now`` on a
+    TP group refuses, since its ranks must agree with each other."""
+
+    class TwoRanks:
+        group_size = 2
+
+        async def agree(self, values: list[int]) -> list[int]:
+            raise AssertionError("not reached")
+
+    with open_trio_thread() as host:
+        server = host.enter(pd.bootstrap_server())
+        peer = host.enter(pd.prefill_peer(server.address))
+        prefill = ThreadedPrefill(host, peer)
+        ran: list[str] = []
+        real = peer.poll_now
+
+        def counted() -> list[Event]:
+            ran.append(threading.current_thread().name)
+            return real()
+
+        peer.poll_now = counted  # type: ignore[method-assign]
+        prefill.register_request("one", 51).result(timeout=5)
+        prefill.abort(51, "the test ends the request").result(timeout=5)
+        deadline = time.monotonic() + 10
+        events: list[Event] = []
+        while not any(isinstance(e, Failed) for e in events):
+            assert time.monotonic() < deadline
+            events = prefill.poll()
+        assert ran
+        assert set(ran) == {"tspd-trio"}
+        peer.agreement = TwoRanks()  # type: ignore[assignment]
+        with pytest.raises(RuntimeError, match="group of one rank; this one has 2"):
+            host.call_sync(real)

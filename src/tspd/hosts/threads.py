@@ -46,6 +46,7 @@ import trio
 from tspd.core.commands import Event
 from tspd.hosts.bridge import TrioHost, root_error
 from tspd.hosts.services import ServiceNursery
+from tspd.shell.agreement import ReplicaAgreement
 from tspd.shell.decode import DecodePeer
 from tspd.shell.kv_subscriber import KVEventSubscriber, SubscriberItem
 from tspd.shell.nursery import single_error
@@ -332,7 +333,12 @@ class _Peer(Protocol):
 
     on_activity: Callable[[], None] | None
 
+    @property
+    def agreement(self) -> ReplicaAgreement: ...
+
     async def poll(self) -> list[Event]: ...
+
+    def poll_now(self) -> list[Event]: ...
 
     async def wait_for_activity(self) -> None: ...
 
@@ -390,6 +396,9 @@ class ThreadedPeer(Generic[PeerT_co]):
         scheduler gets the events of a wake in the same crossing, instead of a wake
         (:meth:`wait_for_activity`) and then a second crossing to poll."""
         if wait <= 0:
+            if self.peer.agreement.group_size == 1:
+                # No agreement to wait for: one plain call, no task in the Trio thread.
+                return self._host.post(self.peer.poll_now).result(timeout)
             return self._host.call(self.peer.poll, timeout=timeout)
         return self._host.call(self._poll_after_activity, wait, timeout=wait + timeout)
 
@@ -492,6 +501,7 @@ def _outboxed(
 
 _TRANSFER_FEEDBACK = "transfer feedback from the peer's own workers, in the Trio thread"
 _SESSION_ID = "fixed once the peer runs: read ``peer.session_id`` from any thread"
+_POLL_NOW = "poll() runs it in one plain crossing when the peer's group is one rank"
 
 
 @final
@@ -508,6 +518,7 @@ class ThreadedPrefill(ThreadedPeer[PrefillPeer]):
         "wait_should_stop": _TRANSFER_FEEDBACK,
         "room_active": _TRANSFER_FEEDBACK,
         "outbox": "its methods are this facade's forward-side methods",
+        "poll_now": _POLL_NOW,
         "session_id": _SESSION_ID,
     }
 
@@ -542,6 +553,7 @@ class ThreadedDecode(ThreadedPeer[DecodePeer]):
 
     not_exposed: ClassVar[Mapping[str, str]] = {
         "server_key": "the push pool's CURVE key lookup (secure mode), in the Trio thread",
+        "poll_now": _POLL_NOW,
         "session_id": _SESSION_ID,
     }
 

@@ -246,6 +246,21 @@ class RankPeer(ABC, Generic[CmdT]):
         once per scheduler iteration."""
         values = self.core.poll_values(trio.current_time())
         agreed = await self.agreement.agree(values)
+        return self._conclude(agreed)
+
+    def poll_now(self) -> list[Event]:
+        """:meth:`poll` for a rank that agrees with itself alone (a group of one,
+        :class:`~tspd.shell.agreement.SingleRank`), without awaiting: what a thread
+        facade runs in one quick crossing. Raises ``RuntimeError`` for a TP group,
+        whose ranks must agree with each other (use :meth:`poll`)."""
+        if self.agreement.group_size != 1:
+            raise RuntimeError(
+                f"poll_now() needs a group of one rank; this one has "
+                f"{self.agreement.group_size}: await poll() instead"
+            )
+        return self._conclude(list(self.core.poll_values(trio.current_time())))
+
+    def _conclude(self, agreed: list[int]) -> list[Event]:
         events = self.core.conclude(agreed, trio.current_time())
         self._concluded(events)
         self.observer.events(events)
