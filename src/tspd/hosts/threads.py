@@ -409,6 +409,8 @@ class ThreadedPeer(Generic[PeerT_co]):
     async def _poll_after_activity(self, wait: float) -> list[Event]:
         with trio.move_on_after(wait):
             await self.peer.wait_for_activity()
+        if self.peer.agreement.group_size == 1:
+            return self.peer.poll_now()
         return await self.peer.poll()
 
 
