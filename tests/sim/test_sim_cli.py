@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pkgutil
 import subprocess
 import sys
@@ -118,3 +119,27 @@ def test_an_unknown_fault_lists_the_new_names() -> None:
     result = CliRunner().invoke(main, ["sim", "--faults", "bootstrap-crash,nap"])
     assert result.exit_code == 2
     assert "bootstrap-crash, sleep" in result.output
+
+
+def test_a_run_replays_alike_in_a_new_process_whatever_its_hash_seed() -> None:
+    """A printed ``repeat with:`` line must reproduce the run in a fresh shell: no
+    core or model decision may follow the order of a set of strings (the Decode
+    core's re-registrations once did, so runs differed between processes)."""
+    args = [
+        sys.executable, "-c", "from tspd.cli import main; main()",
+        "sim", "--seed", "11", "--rooms", "100", "--prefill", "1xTP2,1xTP1DP2",
+        "--decode", "1xTP1,1xTP2", "--faults", "all", "--json",
+    ]  # fmt: skip
+    runs = []
+    for hash_seed in ("1", "2", "3"):
+        done = subprocess.run(
+            args,
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
+            timeout=120,
+        )
+        result = json.loads(done.stdout)
+        runs.append({k: v for k, v in result.items() if "wall" not in k and "per_second" not in k})
+    assert runs[0] == runs[1] == runs[2]

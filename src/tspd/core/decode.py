@@ -277,8 +277,10 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         self._rank_infos: dict[tuple[str, int, int], RankInfo] = {}
         #: Rooms waiting for one Prefill rank's control endpoint.
         self._awaiting_rank: dict[tuple[str, int, int], set[int]] = {}
-        #: Prefill ranks this rank registered with (the "connection pool").
-        self._registered: set[tuple[str, int, int]] = set()
+        #: Prefill ranks this rank registered with (the "connection pool"), in the
+        #: order it registered (a dict: re-registrations go out in a fixed order, so
+        #: a simulated run replays alike whatever the process's hash seed).
+        self._registered: dict[tuple[str, int, int], None] = {}
         #: Failed rooms whose pages may still be written, in the order they failed.
         self._held: dict[int, _Held] = {}
         #: Cached rank infos being fetched again to check they still hold.
@@ -568,7 +570,7 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         self._log(
             LogLevel.WARNING, f"{failure.message}; registering again, {affected} requests failed"
         )
-        self._registered.add(key)
+        self._registered[key] = None
         self._commands.append(
             SendFrames(info.rank_ip, info.rank_port, self._registration_for(info))
         )
@@ -579,7 +581,7 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
             key = (bootstrap_addr, route.dp_group, target)
             if key not in self._registered:
                 info = self._rank_infos[key]
-                self._registered.add(key)
+                self._registered[key] = None
                 self._commands.append(
                     SendFrames(info.rank_ip, info.rank_port, self._registration_for(info), room)
                 )
@@ -994,7 +996,7 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         for key in [k for k in self._rank_infos if k[0] == bootstrap_addr]:
             del self._rank_infos[key]
             self._refreshing.discard(key)
-        self._registered = {k for k in self._registered if k[0] != bootstrap_addr}
+        self._registered = {k: None for k in self._registered if k[0] != bootstrap_addr}
 
     def _drop_address(self, bootstrap_addr: str, now: float) -> None:
         self._forget_routes(bootstrap_addr)
