@@ -108,3 +108,23 @@ def test_the_page_pool_hands_out_distinct_pages_and_takes_them_back() -> None:
     assert len(pool) == 4
     pool.give(first)
     assert len(pool) == 10
+
+
+def test_a_late_write_that_empties_a_later_rooms_page_is_a_fenced_corruption() -> None:
+    """Found by a 10,000-seed sweep: a hung write, reported failed, lands seconds
+    later with the bytes of a Prefill arena a sleep had emptied, into a page the
+    Decode had given to a new room. The engine landing a write after reporting it
+    failed is beyond the control plane (docs/architecture.md#write-fencing): the
+    mismatch is reported as a fenced corruption, not a broken data invariant."""
+    config = SimConfig(
+        rooms=100,
+        faults=parse_faults(
+            "loss=0.01,dup=0.01,reorder=0.1,partition=2,crash=1,xfail=0.01,hang=0.005,"
+            "late=0.5,abort=0.02,hedge=0.02,bootstrap-crash=1,sleep=1,garble=0.01"
+        ),
+        staging=0.5,
+        **_shapes("2xTP2", "3xTP1"),  # type: ignore[arg-type]
+    )
+    result = run(config, 4339)
+    assert result.ok, result.failure()
+    assert result.fenced_corruptions >= 1

@@ -86,7 +86,8 @@ def _show_fencing(result: SimResult, limit: int) -> None:
     default="none",
     show_default=True,
     help="Comma-separated faults: loss, dup, reorder, partition, crash, xfail, hang, late, "
-    "abort, hedge, bootstrap-crash, sleep, garble (name or name=rate); 'all' turns every one on.",
+    "abort, hedge, bootstrap-crash, sleep, garble, rank-crash (name or name=rate); 'all' turns "
+    "every one on.",
 )
 @click.option(
     "--fencing",
@@ -209,6 +210,7 @@ def _figures(result: SimResult) -> dict[str, object]:
         "partitions": result.partitions,
         "bootstrap_crashes": result.bootstrap_crashes,
         "sleeps": result.sleeps,
+        "rank_crashes": result.rank_crashes,
         "step_waits": result.transfers.step_waits,
         "staging": {
             name: getattr(result.staging, name)

@@ -210,6 +210,7 @@ class Cluster:
         self.crashes = 0
         self.bootstrap_crashes = 0
         self.sleeps = 0
+        self.rank_crashes = 0
         #: The room the current event is about, when one is: a core that raises
         #: is reported with that room's timeline.
         self.focus: int | None = None
@@ -348,6 +349,22 @@ class Cluster:
             for _ in range(_poisson(rng, faults.crash)):
                 when = rng.uniform(0.0, span)
                 self.queue.at(when, self._arm_scatter_trap, rng.choice(staged))
+        if faults.rank_crash:
+            # One rank of a TP group of two or more dies alone; none: nothing happens.
+            candidates: list[PrefillGroup | DecodeInstance] = [
+                *(g for g in groups if g.tp >= 2),
+                *(d for d in self.decode if d.tp >= 2),
+            ]
+            for _ in range(_poisson(rng, faults.rank_crash)):
+                when = rng.uniform(0.0, span)
+                if candidates:
+                    hit = rng.choice(candidates)
+                    tp_rank = rng.randrange(hit.tp)
+                    if rng.random() < 0.5:
+                        self.queue.at(when, self._rank_crash, (hit, None, tp_rank))
+                    else:
+                        # Armed now, sprung in the middle of the rank's next write.
+                        self.queue.at(when, self._arm_rank_trap, (hit, tp_rank))
 
     def _arm_scatter_trap(self, instance: int) -> None:
         if self.draining_until is None:
@@ -388,10 +405,71 @@ class Cluster:
         if not all(t.alive for t in target) or self.draining_until is not None:
             return
         self.crashes += 1
+        self._take_down(target, f"restarts in {self.config.timings.restart_delay}s")
+
+    def _take_down(self, target: list[PrefillGroup] | list[DecodeInstance], why: str) -> None:
+        """Every group of ``target`` dies and restarts later (the crash path)."""
         names = ", ".join(t.name for t in target)
-        self._note(f"crash: {names} (restarts in {self.config.timings.restart_delay}s)")
+        self._note(f"crash: {names} ({why})")
         for t in target:
             t.crash()
+
+    def _arm_rank_trap(self, argument: tuple[PrefillGroup | DecodeInstance, int]) -> None:
+        group, tp_rank = argument
+        if group.alive and self.draining_until is None:
+            group.ranks[tp_rank].trap = True
+
+    def spring_rank_trap(self, rank: PrefillRank | DecodeRank) -> None:
+        """A write from (or to) a trapped rank was issued: the rank dies while the
+        write is in flight."""
+        rank.trap = False
+        group = rank.group if isinstance(rank, PrefillRank) else rank.instance
+        self.queue.after(
+            self.config.timings.write_latency / 4,
+            self._rank_crash,
+            (group, group.incarnation, rank.tp_rank),
+        )
+
+    def _rank_crash(self, argument: tuple[PrefillGroup | DecodeInstance, int | None, int]) -> None:
+        """One rank of ``group`` dies alone; its siblings run on (``rank-crash``);
+        ``None`` or the group's incarnation."""
+        group, incarnation, tp_rank = argument
+        if incarnation not in (None, group.incarnation):
+            return
+        if not group.alive or self.draining_until is not None:
+            return
+        rank = group.ranks[tp_rank]
+        if not rank.alive:
+            return
+        self.rank_crashes += 1
+        self._note(f"rank crash: {rank.name} dies alone; the other ranks of {group.name} run on")
+        group.kill_rank(tp_rank)
+
+    def stall(self, group: PrefillGroup | DecodeInstance, keys: list[tuple[str, int]]) -> None:
+        """``group``'s scheduler began a step that needs a dead rank: it waits for
+        the agreement timeout, then the engine takes the group down (a Decode
+        group: its whole instance) as a crash does. ``keys`` are the request sides
+        the group holds, ``(key, room)``: their deadlines move by the timeout."""
+        timeout = self.config.timings.agreement_timeout
+        now = self.now
+        self._note(f"agreement stalls: {group.name} waits for a dead rank ({timeout}s)")
+        for key, room in keys:
+            self.timeline.note(room, now, group.name, "the agreement stalls on a dead rank")
+            self.checker.extend(key, timeout)
+        target: list[PrefillGroup] | list[DecodeInstance] = (
+            self.decode_instances[group.index] if isinstance(group, DecodeInstance) else [group]
+        )
+        self.queue.after(timeout, self._agreement_timeout, (group.incarnation, target))
+
+    def _agreement_timeout(
+        self, argument: tuple[int, list[PrefillGroup] | list[DecodeInstance]]
+    ) -> None:
+        incarnation, target = argument
+        if target[0].incarnation != incarnation or not all(t.alive for t in target):
+            return
+        # Even while draining: the group's tables must go with it.
+        delay = self.config.timings.restart_delay
+        self._take_down(target, f"the agreement timed out on a dead rank; restarts in {delay}s")
 
     # ------------------------------------------------------------------ audits
 
@@ -401,11 +479,13 @@ class Cluster:
             for group in groups:
                 if group.alive:
                     for prank in group.ranks:
-                        self._audit_prefill(group, prank, draining=False)
+                        if prank.alive:
+                            self._audit_prefill(group, prank, draining=False)
         for instance in self.decode:
             if instance.alive:
                 for drank in instance.ranks:
-                    self._audit_decode(instance, drank, draining=False)
+                    if drank.alive:
+                        self._audit_decode(instance, drank, draining=False)
         if self.draining_until is None:
             # Often while requests arrive, then once a second while timeouts run.
             busy = self.now <= self.window + 1.0
@@ -509,11 +589,13 @@ class Cluster:
             for group in groups:
                 if group.alive:
                     for prank in group.ranks:
-                        self._audit_prefill(group, prank, draining=True)
+                        if prank.alive:
+                            self._audit_prefill(group, prank, draining=True)
         for instance in self.decode:
             if instance.alive:
                 for drank in instance.ranks:
-                    self._audit_decode(instance, drank, draining=True)
+                    if drank.alive:
+                        self._audit_decode(instance, drank, draining=True)
 
     def stale_registrations(self) -> int:
         """Registrations, over every live Prefill rank, of sessions that died."""
@@ -524,6 +606,7 @@ class Cluster:
             for group in groups
             if group.alive
             for rank in group.ranks
+            if rank.alive
             for session in retired
             if rank.core.is_registered(session)
         )
@@ -598,6 +681,7 @@ class Cluster:
             partitions=self.partitions,
             bootstrap_crashes=self.bootstrap_crashes,
             sleeps=self.sleeps,
+            rank_crashes=self.rank_crashes,
             violations=tuple(checker.violations),
             fenced=tuple(checker.fenced),
             fenced_corruptions=checker.fenced_corruptions,

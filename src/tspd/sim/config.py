@@ -118,6 +118,11 @@ class Faults:
       ``Timings.sleep_time`` and serves again.
     * ``garble``: a staged blob lands with its magic damaged (``SimConfig.staging``
       only), so the Decode must refuse it and fail the room.
+    * ``rank_crash`` (``rank-crash``): one rank of a Prefill DP group or Decode
+      instance of TP 2 or more dies alone (its tables, port, session and writes
+      in flight gone; nobody told) while its siblings run on; the group's next step
+      that needs every rank stalls, and ``Timings.agreement_timeout`` later the
+      group goes down and restarts as with ``crash``.
     """
 
     loss: float = 0.0
@@ -133,6 +138,7 @@ class Faults:
     bootstrap_crash: float = 0.0
     sleep: float = 0.0
     garble: float = 0.0
+    rank_crash: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -164,7 +170,7 @@ _ON_THE_COMMAND_LINE: Final = frozenset(
 )
 
 #: Faults whose value is an expected count per run rather than a probability.
-_COUNTS: Final = frozenset({"partition", "crash", "bootstrap_crash", "sleep"})
+_COUNTS: Final = frozenset({"partition", "crash", "bootstrap_crash", "sleep", "rank_crash"})
 
 
 def fault_name(field_name: str) -> str:
@@ -187,6 +193,7 @@ FAULT_DEFAULTS: Final[dict[str, float]] = {
     "bootstrap_crash": 1.0,
     "sleep": 1.0,
     "garble": 0.01,
+    "rank_crash": 1.0,
 }
 
 
@@ -241,7 +248,9 @@ class Timings:
     as :mod:`tspd.shell.prefill` does); ``sleep_time`` how long a Prefill DP group
     sleeps once its arena is released. ``scatter_time`` is the mean time a Decode
     rank takes to check and scatter a staged blob (each scatter is drawn between
-    half of it and ten and a half times it).
+    half of it and ten and a half times it). ``agreement_timeout`` is how long a
+    scheduler step that needs every rank of a TP group waits for a dead rank (the
+    ``rank-crash`` fault) before the engine takes the whole group down.
     """
 
     bootstrap_timeout: float = 30.0
@@ -265,6 +274,7 @@ class Timings:
     reregister_interval: float = 0.0
     sleep_time: float = 2.0
     scatter_time: float = 0.0002
+    agreement_timeout: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

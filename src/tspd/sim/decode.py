@@ -30,6 +30,15 @@ A crash loses every rank's tables, the scheduler's requests and the arenas; afte
 the restart delay the instance comes back with new cores, new status ports and new
 transfer sessions (Decode churn).
 
+A rank crash (the ``rank-crash`` fault, :meth:`DecodeInstance.kill_rank`) kills one
+rank alone: its core's tables and status port are gone, its transfer session
+refuses writes (they fail fast, as to any dead session), its lookups, heartbeats
+and scatters stop, and nobody is told; the other ranks run on. The scheduler's
+next step that needs every rank (an iteration's agreement, a registration)
+stalls (:meth:`DecodeInstance.stalled`): requests that arrive meanwhile wait, and
+``Timings.agreement_timeout`` after the stall the whole instance goes down as in a
+crash (:meth:`tspd.sim.cluster.Cluster.stall`).
+
 Staged transfers (docs/wire.md#staged-transfers): an instance with a staging
 region (``SimConfig.staging``) gives every rank one
 (:class:`~tspd.sim.staging.DecodeStaging`) and the core its staging settings. A
@@ -134,6 +143,7 @@ class DecodeRank:
         "timer_at",
         "timer_spins",
         "tp_rank",
+        "trap",
     )
 
     def __init__(self, instance: DecodeInstance, tp_rank: int) -> None:
@@ -201,6 +211,9 @@ class DecodeRank:
         self.timer_at: float | None = None
         self.timer_spins = 0
         self.alive = True
+        #: Armed by ``rank-crash``: the rank dies in the middle of its next write
+        #: (a Prefill rank's own, or one to a Decode rank's session).
+        self.trap = False
 
     def on_status(self, frames: Sequence[bytes]) -> None:
         """A status message arrived."""
@@ -246,8 +259,18 @@ class DecodeInstance:
         self.held: dict[str, Request] = {}
         #: Room indexes some of whose writes landed here after they ended.
         self.fenced: set[int] = set()
+        #: ``(page, room index)``: such a write landed in the page while that room
+        #: owned it (its cells may now hold anything the late write carried, nothing
+        #: included, when the source arena was emptied meanwhile).
+        self.fenced_hits: set[tuple[int, int]] = set()
         self.poll_at: float | None = None
         self.crashes = 0
+        #: Requests that arrived while the scheduler stalls on a dead rank.
+        self.queued: list[Request] = []
+        #: Ranks of this incarnation that died alone (``rank-crash``), and whether
+        #: the scheduler stalls on them.
+        self.dead_ranks = 0
+        self.stalling = False
 
     @property
     def hosts(self) -> frozenset[str]:
@@ -269,6 +292,8 @@ class DecodeInstance:
         cluster = self.cluster
         self.incarnation += 1
         self.poll_at = None
+        self.dead_ranks = 0
+        self.stalling = False
         self.ranks = [DecodeRank(self, r) for r in range(self.tp)]
         self.alive = True
         self.pool = arena.PagePool(cluster.config.num_pages, cluster.page_rng)
@@ -297,6 +322,13 @@ class DecodeInstance:
             cluster.checker.ended(self.key(request))
             cluster.outcomes.lost += 1
             cluster.router.side_ended(request)
+        for request in self.queued:
+            cluster.timeline.note(
+                request.room, now, self.name, "request lost: the instance crashed"
+            )
+            cluster.outcomes.lost += 1
+            cluster.router.side_ended(request)
+        self.queued.clear()
         self.requests.clear()
         self.by_room.clear()
         self.pages.clear()
@@ -311,6 +343,32 @@ class DecodeInstance:
         if incarnation == self.incarnation and not self.alive:
             self.start()
             self.cluster.router.kick()
+
+    def kill_rank(self, tp_rank: int) -> None:
+        """Rank ``tp_rank`` dies alone (``rank-crash``): its core's tables and its
+        status port are gone, its session refuses writes, and nobody is told. The
+        other ranks run on until the scheduler stalls."""
+        cluster = self.cluster
+        rank = self.ranks[tp_rank]
+        rank.alive = False
+        cluster.network.close(rank.ip, rank.port)
+        self.dead_ranks += 1
+        for request in self.requests.values():
+            cluster.timeline.note(request.room, cluster.now, rank.name, "the rank dies alone")
+        # The engine's loop runs on: its next iteration finds the rank missing.
+        self.wake()
+
+    def stalled(self) -> bool:
+        """Whether a rank died alone, so that a scheduler step needing every rank
+        cannot complete; the first such step starts the agreement timeout."""
+        if not self.dead_ranks:
+            return False
+        if not self.stalling:
+            self.stalling = True
+            keys = [(self.key(request), request.room) for request in self.requests.values()]
+            keys += [(self.pages_key(request), request.room) for request in self.held.values()]
+            self.cluster.stall(self, keys)
+        return True
 
     # ------------------------------------------------------------------ driving cores
 
@@ -726,6 +784,10 @@ class DecodeInstance:
             cluster.outcomes.lost += 1
             cluster.router.side_ended(request)
             return
+        if self.stalled():
+            cluster.timeline.note(request.room, now, self.name, "queued: a rank is dead")
+            self.queued.append(request)
+            return
         self.requests[request.rid] = request
         self.by_room[request.room] = request
         server = cluster.bootstrap[request.prefill]
@@ -745,6 +807,15 @@ class DecodeInstance:
             self.poll_at = None
         now = cluster.now
         ranks = self.ranks
+        if self.dead_ranks:
+            # The agreement needs the dead rank: it cannot complete.
+            if (
+                self.requests
+                or self.held
+                or any(rank.core.has_in_flight() for rank in ranks if rank.alive)
+            ):
+                self.stalled()
+            return
         events = iterate_group(
             cluster.checker, [r.name for r in ranks], [r.core for r in ranks], now
         )
@@ -898,7 +969,9 @@ class DecodeInstance:
         others = [name for name in cluster.sent_to.get(room, ()) if name != self.name]
         if others:
             detail += f" (the room was also sent to {', '.join(others)})"
-        if found is not None and cluster.codec.room_of(found) in self.fenced:
+        if (mismatch.page, request.index) in self.fenced_hits or (
+            found is not None and cluster.codec.room_of(found) in self.fenced
+        ):
             cluster.checker.fenced_corruptions += 1
             cluster.checker.fencing(rank.name, f"{detail} (a fenced late write)", room)
             return
@@ -953,8 +1026,12 @@ class DecodeInstance:
                         f"copy {(src, dst_addr, length)} writes outside any page of {target.name}",
                         room,
                     )
-                if fenced_page is None and owner.get(page) != index:
-                    fenced_page = page
+                holder = owner.get(page)
+                if holder != index:
+                    if fenced_page is None:
+                        fenced_page = page
+                    if holder is not None:
+                        self.fenced_hits.add((page, holder))
                 c = chunk_end[c]
             dst[d:end] = src_arena[s : s + n]
         what = "late write" if late else "write"

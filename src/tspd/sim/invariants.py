@@ -197,6 +197,12 @@ class Checker:
         self._due[key] = (deadline, room)
         heapq.heappush(self._deadlines, (deadline, key, room))
 
+    def extend(self, key: str, seconds: float) -> None:
+        """Request ``key``'s deadline moves ``seconds`` later (if it has one)."""
+        current = self._due.get(key)
+        if current is not None:
+            self.expect_end(key, current[1], current[0] + seconds)
+
     def ended(self, key: str) -> None:
         """Request ``key`` ended (or was lost with its process): no deadline."""
         self._due.pop(key, None)

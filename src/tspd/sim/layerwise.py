@@ -134,8 +134,10 @@ class ForwardLoop:
     def kick(self) -> None:
         """Start the next forward if the GPU is idle and a request is ready."""
         group = self.group
-        if self.busy_until is not None or not group.alive:
+        if self.busy_until is not None or not group.alive or not self.ready:
             return
+        if group.stalled():
+            return  # A forward's collectives need the dead rank.
         cluster = group.cluster
         rows: list[_Row] = []
         budget = self.budget
@@ -222,6 +224,8 @@ class ForwardLoop:
         rank = step.rank
         if step.incarnation != self.group.incarnation or not rank.alive:
             return
+        if self.group.stalled():
+            return  # A layer's collectives need the dead rank: the forward stops.
         cluster = self.group.cluster
         geometry = rank.geometry
         fields = rank.schedule.steps[step.index]
@@ -267,6 +271,8 @@ class ForwardLoop:
         incarnation, request = argument
         group = self.group
         if incarnation != group.incarnation or request.rid not in group.requests:
+            return
+        if group.stalled():
             return
         cluster = group.cluster
         now = cluster.now

@@ -26,6 +26,15 @@ tables, the scheduler's requests and the arenas are lost; after the restart dela
 every rank comes back with a new core on a new control port and ``PUT``\\ s its
 route again. Nobody else is told.
 
+A rank crash (the ``rank-crash`` fault, :meth:`PrefillGroup.kill_rank`) kills one
+rank alone: its core's tables and control port are gone, its writes in flight
+stop and it sends nothing more; the other ranks run on (their workers, their
+status messages, their timers). The scheduler's next step that needs every rank
+(an iteration's agreement, a registration, a forward, a hand-over, an abort, a
+release) stalls (:meth:`PrefillGroup.stalled`): requests that arrive meanwhile
+wait in the engine's queue, and ``Timings.agreement_timeout`` after the stall the
+group goes down as in a crash (:meth:`tspd.sim.cluster.Cluster.stall`).
+
 A sleep (the ``sleep`` fault, docs/protocol.md#proto-sleep-wake) closes the group
 to new requests (those already on their way wait in the engine's queue) and asks
 for the release of every rank's arena registration when the sleep begins and
@@ -96,6 +105,7 @@ class PrefillRank:
         "timer_at",
         "timer_spins",
         "tp_rank",
+        "trap",
     )
 
     def __init__(self, group: PrefillGroup, tp_rank: int, port: int) -> None:
@@ -166,6 +176,9 @@ class PrefillRank:
         self.timer_at: float | None = None
         self.timer_spins = 0
         self.alive = True
+        #: Armed by ``rank-crash``: the rank dies in the middle of its next write
+        #: (a Prefill rank's own, or one to a Decode rank's session).
+        self.trap = False
         #: Whether the arena is registered with the transfer engine (not asleep).
         self.registered = True
 
@@ -209,8 +222,13 @@ class PrefillGroup:
         self.sleeps = 0
         #: Releases a rank refused (a request was still tracked).
         self.refusals = 0
-        #: Requests that arrived while the group was going to sleep or asleep.
+        #: Requests that arrived while the group was going to sleep or asleep, or
+        #: while its scheduler stalls on a dead rank.
         self.queued: list[Request] = []
+        #: Ranks of this incarnation that died alone (``rank-crash``), and whether
+        #: the scheduler stalls on them.
+        self.dead_ranks = 0
+        self.stalling = False
 
     @property
     def hosts(self) -> frozenset[str]:
@@ -234,6 +252,8 @@ class PrefillGroup:
         self.incarnation += 1
         self.poll_at = None
         self.sleep = None
+        self.dead_ranks = 0
+        self.stalling = False
         self.ranks = [PrefillRank(self, r, cluster.next_port()) for r in range(self.tp)]
         self.alive = True
         self.pool = arena.PagePool(cluster.config.num_pages, cluster.page_rng)
@@ -327,6 +347,32 @@ class PrefillGroup:
         if incarnation == self.incarnation and not self.alive:
             self.start()
             self.cluster.router.kick()
+
+    def kill_rank(self, tp_rank: int) -> None:
+        """Rank ``tp_rank`` dies alone (``rank-crash``): its core's tables, its
+        control port and its writes in flight are gone, it sends nothing more, and
+        nobody is told. The other ranks run on until the scheduler stalls."""
+        cluster = self.cluster
+        rank = self.ranks[tp_rank]
+        rank.alive = False
+        rank.engine.kill()
+        cluster.network.close(rank.ip, rank.port)
+        self.dead_ranks += 1
+        for request in self.requests.values():
+            cluster.timeline.note(request.room, cluster.now, rank.name, "the rank dies alone")
+        # The engine's loop runs on: its next iteration finds the rank missing.
+        self.wake()
+
+    def stalled(self) -> bool:
+        """Whether a rank died alone, so that a scheduler step needing every rank
+        cannot complete; the first such step starts the agreement timeout."""
+        if not self.dead_ranks:
+            return False
+        if not self.stalling:
+            self.stalling = True
+            keys = [(self.key(request), request.room) for request in self.requests.values()]
+            self.cluster.stall(self, keys)
+        return True
 
     # ------------------------------------------------------------------ driving cores
 
@@ -430,6 +476,10 @@ class PrefillGroup:
             cluster.timeline.note(request.room, now, self.name, "queued until the group wakes")
             self.queued.append(request)
             return
+        if self.stalled():
+            cluster.timeline.note(request.room, now, self.name, "queued: a rank is dead")
+            self.queued.append(request)
+            return
         timings = cluster.config.timings
         self.requests[request.rid] = request
         self.by_room[request.room] = request
@@ -456,6 +506,11 @@ class PrefillGroup:
             self.poll_at = None
         now = cluster.now
         ranks = self.ranks
+        if self.dead_ranks:
+            # The agreement needs the dead rank: it cannot complete.
+            if self.requests or any(rank.core.has_in_flight() for rank in ranks if rank.alive):
+                self.stalled()
+            return
         events = iterate_group(
             cluster.checker, [r.name for r in ranks], [r.core for r in ranks], now
         )
@@ -546,6 +601,8 @@ class PrefillGroup:
             return
         if self.forwards is not None and self.forwards.busy_until is not None:
             return  # The engine releases between forwards; the forward's end asks again.
+        if self.stalled():
+            return
         cluster = self.cluster
         for rank in self.ranks:
             try:
@@ -597,6 +654,8 @@ class PrefillGroup:
         incarnation, request = argument
         if incarnation != self.incarnation or request.rid not in self.requests:
             return
+        if self.stalled():
+            return  # The forward's collectives need the dead rank.
         cluster = self.cluster
         now = cluster.now
         pages = self.take_pages(request)
@@ -620,6 +679,8 @@ class PrefillGroup:
     def _abort(self, argument: tuple[int, Request]) -> None:
         incarnation, request = argument
         if incarnation != self.incarnation or request.rid not in self.requests:
+            return
+        if self.stalled():
             return
         cluster = self.cluster
         cluster.focus = request.room

@@ -35,7 +35,8 @@ class SimResult:
     ``stale_registrations`` counts, over every Prefill rank at the end, the
     registrations of Decode sessions whose process had died (they are never
     dropped, so they grow with Decode churn). ``bootstrap_crashes`` and ``sleeps``
-    count the bootstrap servers that crashed and the Prefill groups that slept;
+    count the bootstrap servers that crashed and the Prefill groups that slept,
+    ``rank_crashes`` the ranks that died alone (``rank-crash``);
     ``staging`` what staged transfers did (``SimConfig.staging``).
     """
 
@@ -59,6 +60,7 @@ class SimResult:
     timelines: dict[int, str] = field(default_factory=dict)
     events: tuple[str, ...] = ()
     staging: StagingStats = field(default_factory=StagingStats)
+    rank_crashes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -81,16 +83,18 @@ class SimResult:
         """One line: outcomes, fencing, figures."""
         o = self.outcomes
         status = "ok" if self.ok else f"VIOLATION {self.violations[0].check}"
-        staged = ""
+        extra = ""
+        if self.config.faults.rank_crash:
+            extra = f"; rank crashes {self.rank_crashes}"
         if self.config.staging:
             s = self.staging
-            staged = (
+            extra += (
                 f"; staged {s.rooms} rooms ({s.scattered} blobs scattered, {s.refused} refused)"
             )
         return (
             f"seed {self.seed}: {status}; {self.rooms} rooms; prefill {o.prefill_succeeded} ok "
             f"{o.prefill_failed} failed; decode {o.decode_succeeded} ok {o.decode_failed} failed; "
             f"{o.lost} lost; fencing {len(self.fenced)}; stale registrations "
-            f"{self.stale_registrations}{staged}; {self.sim_seconds:.1f} sim s in "
+            f"{self.stale_registrations}{extra}; {self.sim_seconds:.1f} sim s in "
             f"{self.wall_seconds * 1000:.0f} ms ({self.steps} events)"
         )

@@ -39,6 +39,8 @@ class SweepResult:
     succeeded: int = 0
     failed: int = 0
     lost: int = 0
+    #: Ranks that died alone (``rank-crash``).
+    rank_crashes: int = 0
     #: Staged transfers: rooms with a blob scattered, blobs scattered and refused.
     staged_rooms: int = 0
     scattered: int = 0
@@ -70,6 +72,7 @@ class SweepResult:
         self.succeeded += o.decode_succeeded
         self.failed += o.decode_failed
         self.lost += o.lost
+        self.rank_crashes += result.rank_crashes
         self.staged_rooms += result.staging.rooms
         self.scattered += result.staging.scattered
         self.refused += result.staging.refused
@@ -90,6 +93,8 @@ class SweepResult:
             f"{self.fenced_seeds} seeds ({self.fenced_corruptions} corrupted a later room's page)",
             f"stale registrations at the end: {self.stale_registrations}",
         ]
+        if self.config.faults.rank_crash:
+            lines.append(f"rank crashes: {self.rank_crashes} ranks died alone")
         if self.config.staging:
             lines.append(
                 f"staged transfers: {self.staged_rooms} rooms staged, {self.scattered} blobs "

@@ -124,6 +124,8 @@ class _Write:
     parts: CopyPlan | None = None
     #: The ``garble`` fault damages the blob's magic when its first part lands.
     garbled: bool = False
+    #: Stopped by its rank's death (``rank-crash``): nothing more of it lands.
+    stopped: bool = False
 
     @property
     def copies(self) -> CopyPlan:
@@ -409,6 +411,11 @@ class SimEngine:
     def _track(self, pending: _Write) -> _Write:
         pending.seq = self.cluster.stats.writes
         self._in_flight.add(pending)
+        target = pending.target
+        if self.rank.trap:
+            self.cluster.spring_rank_trap(self.rank)
+        elif target is not None and target.trap:
+            self.cluster.spring_rank_trap(target)
         return pending
 
     def _land(self, pending: _Write, count: int, late: bool) -> None:
@@ -428,7 +435,22 @@ class SimEngine:
         )
 
     def _land_late(self, pending: _Write) -> None:
-        self._land(pending, len(pending.copies), True)
+        if not pending.stopped:
+            self._land(pending, len(pending.copies), True)
+
+    def kill(self) -> None:
+        """The rank's process died alone (the ``rank-crash`` fault): its workers
+        stop, each of its writes in flight stops where it is (a prefix of what it
+        was to land lands now, nothing later, not even a late landing), and nothing
+        is reported."""
+        self.alive = False
+        self.waiting.clear()
+        rng = self.cluster.fault_rng
+        for pending in sorted(self._in_flight, key=lambda w: w.seq):
+            pending.stopped = True
+            count, pending.landing = pending.landing, 0
+            self._land(pending, rng.randrange(count + 1), False)
+        self._in_flight.clear()
 
     def _done(self, pending: _Write) -> None:
         self._in_flight.discard(pending)
