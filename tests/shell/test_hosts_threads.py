@@ -525,3 +525,30 @@ def test_a_group_of_one_polls_in_one_plain_crossing_and_a_tp_group_must_agree(
         peer.agreement = TwoRanks()  # type: ignore[assignment]
         with pytest.raises(RuntimeError, match="group of one rank; this one has 2"):
             host.call_sync(real)
+
+
+def test_a_burst_of_posts_wakes_the_trio_thread_once_and_keeps_its_order() -> None:
+    """Posts queued while the Trio thread is busy run in one drain, in order, and
+    before a call made after them; posts after the host closed fail at once."""
+    with open_trio_thread() as host:
+        seen: list[int] = []
+        wakes: list[int] = []
+        real = host._drain_posts
+
+        def counted() -> None:
+            wakes.append(1)
+            real()
+
+        host._drain_posts = counted  # type: ignore[method-assign]
+        hold = threading.Event()
+        blocker = host.post(hold.wait, 5.0)  # keeps the Trio thread busy in the drain
+        futures = [host.post(seen.append, i) for i in range(200)]
+        hold.set()
+        assert host.call_sync(lambda: list(seen)) == list(range(200))
+        assert blocker.result(timeout=5) is True
+        assert all(f.result(timeout=5) is None for f in futures)
+        assert wakes == [1]  # one drain, one wake-up, ran the whole burst
+    late = host.post(seen.append, -1)
+    with pytest.raises(BridgeClosed):
+        late.result(timeout=5)
+    assert -1 not in seen
