@@ -37,7 +37,12 @@ from tspd.core.manifest import (
     select_chunk,
     validate_manifest,
 )
-from tspd.testing.layouts import allocate_tables, multi_layer_contract, room_manifest
+from tspd.testing.layouts import (
+    allocate_tables,
+    multi_layer_contract,
+    room_manifest,
+    simple_contract,
+)
 
 
 def spec(
@@ -662,24 +667,36 @@ def _read_one_by_one(table: Any, slots: range, bound: int) -> tuple[int, ...] | 
     for slot in slots:
         raw = table[slot]
         if isinstance(raw, bool | np.bool_) or not 0 < int(raw) < bound:
-            return f"table 'kv' logical slot {slot} has invalid block ID {raw}"
+            return f"table 'full' logical slot {slot} has invalid block ID {raw}"
         ids.append(int(raw))
     return tuple(ids)
 
 
+#: 64 pages of one group: rows of up to 40 slots, enough for the fast read.
+_WIDE = simple_contract(num_pages=64, page_bytes=64)
+
+
 @given(
-    values=st.lists(
-        st.one_of(st.integers(-3, 40), st.booleans(), st.integers(0, 40).map(np.int64)),
-        min_size=10,
-        max_size=10,
+    ids=st.lists(st.integers(1, 63), min_size=40, max_size=40),
+    corrupt=st.lists(
+        st.tuples(
+            st.integers(0, 39),
+            st.one_of(st.integers(-3, 100), st.booleans(), st.integers(0, 70).map(np.int64)),
+        ),
+        max_size=2,
     ),
     form=st.sampled_from(["list", "tuple", "int64", "int32", "uint16", "bool"]),
-    prompt_len=st.integers(1, 40),
+    pages=st.integers(1, 40),
 )
-def test_a_row_reads_the_same_in_every_form(values: list[Any], form: str, prompt_len: int) -> None:
+def test_a_row_reads_the_same_in_every_form(
+    ids: list[Any], corrupt: list[tuple[int, Any]], form: str, pages: int
+) -> None:
     """Lists, tuples and integer arrays are read at C speed when every id is plain
-    and in range; whatever they hold, the result or the error is the one-by-one
-    definition's."""
+    and in range (rows of 16 slots or more); whatever they hold, the result or the
+    error is the one-by-one definition's."""
+    values: list[Any] = list(ids)
+    for at, value in corrupt:
+        values[at] = value
     if form in ("list", "tuple"):
         table: Any = list(values) if form == "list" else tuple(values)
     else:
@@ -687,13 +704,13 @@ def test_a_row_reads_the_same_in_every_form(values: list[Any], form: str, prompt
         if form in ("uint16", "bool") and min(raw) < 0:
             return
         table = np.array(raw, dtype=form)
-    tables: Any = {"kv": table, "state": [1, 2, 3]}
-    slots = logical_slots(CONTRACT.group("kv"), 0, prompt_len)
-    want = _read_one_by_one(table, slots, CONTRACT.virtual_block_count("kv"))
+    tokens = pages * _WIDE.group("full").rows_per_page
+    slots = logical_slots(_WIDE.group("full"), 0, tokens)
+    want = _read_one_by_one(table, slots, _WIDE.virtual_block_count("full"))
     if isinstance(want, str):
         with pytest.raises(ContractError) as info:
-            build_manifest(CONTRACT, tables, 0, prompt_len)
+            build_manifest(_WIDE, {"full": table}, 0, tokens)
         assert str(info.value) == want
     else:
-        built = build_manifest(CONTRACT, tables, 0, prompt_len)
-        assert next(g.block_ids for g in built.groups if g.group_id == "kv") == want
+        built = build_manifest(_WIDE, {"full": table}, 0, tokens)
+        assert built.groups[0].block_ids == want

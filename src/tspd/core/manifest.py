@@ -259,11 +259,16 @@ def _read(
     return tuple(ids)
 
 
+#: Fewest slots read by :func:`_read_ints` (below it the checked loop is as fast).
+_FAST_READ_SLOTS: Final = 16
+
+
 def _read_ints(table: Sequence[int], slots: Sequence[int], bound: int) -> tuple[int, ...] | None:
     """The usual row, read at C speed: a list, tuple or integer numpy array whose
     ``slots`` hold plain ids in ``(0, bound)``; ``None`` for anything else (then the
-    checked loop reads it and names the first bad slot)."""
-    if not slots:
+    checked loop reads it and names the first bad slot). Rows of a few slots go
+    to the loop too: it is as fast there."""
+    if len(slots) < _FAST_READ_SLOTS:
         return None
     if type(table) is list or type(table) is tuple:
         if isinstance(slots, range) and slots.step == 1:
