@@ -2,9 +2,11 @@
 
 Prefill: one TP2 instance and one instance of two TP1 DP groups; Decode: TP1,
 TP2 and TP4 instances; faults: all of them at their default rates, late writes,
-bootstrap server crashes and Prefill sleeps included. 160 seeds hand KV over in
-full transfers (200 rooms each) and 40 stream it layerwise (3 layers, 2 per
-interval; 100 rooms each, a layerwise room costing about twice as much). No seed
+bootstrap server crashes, Prefill sleeps and lone rank crashes included. 160 seeds
+hand KV over in full transfers (300 rooms each; half the instances, drawn per seed,
+have a staging region, so staged and plain rooms and the fallbacks between them
+all run) and 40 stream it layerwise (3 layers, 2 per interval; 150 rooms each, a
+layerwise room costing about twice as much). No seed
 may break a strict invariant, except a core bug the simulator found and
 :mod:`test_sim_known_bugs` reproduces (tolerated by its signature, and counted).
 Late writes the engine itself lands after reporting them failed can reach released
@@ -24,12 +26,13 @@ from tspd.sim import SimConfig, SimResult, SweepResult, parse_faults, parse_shap
 SEEDS = 200
 LAYERWISE_SEEDS = 40
 CONFIG = SimConfig(
-    rooms=200,
+    rooms=300,
     prefill=parse_shapes("1xTP2,1xTP1DP2", what="Prefill", allow_dp=True),
     decode=parse_shapes("1xTP1,1xTP2,1xTP4", what="Decode", allow_dp=False),
     faults=parse_faults("all"),
+    staging=0.5,
 )
-LAYERWISE = CONFIG.with_(rooms=100, layers=3, layerwise=True, layerwise_interval=2)
+LAYERWISE = CONFIG.with_(rooms=150, layers=3, layerwise=True, layerwise_interval=2, staging=0.0)
 
 
 class SimReport(UserWarning):
@@ -62,10 +65,12 @@ def test_two_hundred_seeds_keep_every_strict_invariant() -> None:
     for result in total.failures:
         known.setdefault(_known(result) or "", []).append(result.seed)
     assert total.fenced > 0, "late writes were on: the fencing check should have seen some"
+    assert full.staged_rooms > 0, "half the instances stage: some rooms should have gone staged"
     warnings.warn(
         SimReport(
             f"tspd.sim CI sweep: {total.seeds} seeds ({layerwise.seeds} layerwise), "
-            f"{total.rooms} rooms in {total.wall_seconds:.1f}s; fencing ({CONFIG.fencing}): "
+            f"{total.rooms} rooms ({full.staged_rooms} staged) in {total.wall_seconds:.1f}s; "
+            f"fencing ({CONFIG.fencing}): "
             f"{total.fenced} late writes in {total.fenced_seeds} seeds "
             f"({total.fenced_corruptions} corrupted a later room's page); stale "
             f"registrations: {total.stale_registrations}; known core bugs tolerated: "
