@@ -445,6 +445,32 @@ class Cluster:
         self._note(f"rank crash: {rank.name} dies alone; the other ranks of {group.name} run on")
         group.kill_rank(tp_rank)
 
+    def rank_dies_alone(
+        self, group: PrefillGroup | DecodeInstance, rank: PrefillRank | DecodeRank
+    ) -> None:
+        """What a group does when its rank ``rank`` dies alone (``rank-crash``): the
+        rank's port closes, every request of the group notes it, and the group's
+        loop runs on (its next iteration finds the rank missing)."""
+        rank.alive = False
+        self.network.close(rank.ip, rank.port)
+        group.dead_ranks += 1
+        for request in group.requests.values():
+            self.timeline.note(request.room, self.now, rank.name, "the rank dies alone")
+        group.wake()
+
+    def stalled(
+        self, group: PrefillGroup | DecodeInstance, keys: Callable[[], list[tuple[str, int]]]
+    ) -> bool:
+        """Whether ``group`` lost a rank, so that a scheduler step needing every rank
+        cannot complete; the first such step starts the agreement timeout for the
+        request sides ``keys()`` names."""
+        if not group.dead_ranks:
+            return False
+        if not group.stalling:
+            group.stalling = True
+            self.stall(group, keys())
+        return True
+
     def stall(self, group: PrefillGroup | DecodeInstance, keys: list[tuple[str, int]]) -> None:
         """``group``'s scheduler began a step that needs a dead rank: it waits for
         the agreement timeout, then the engine takes the group down (a Decode

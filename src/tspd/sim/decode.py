@@ -348,27 +348,18 @@ class DecodeInstance:
         """Rank ``tp_rank`` dies alone (``rank-crash``): its core's tables and its
         status port are gone, its session refuses writes, and nobody is told. The
         other ranks run on until the scheduler stalls."""
-        cluster = self.cluster
-        rank = self.ranks[tp_rank]
-        rank.alive = False
-        cluster.network.close(rank.ip, rank.port)
-        self.dead_ranks += 1
-        for request in self.requests.values():
-            cluster.timeline.note(request.room, cluster.now, rank.name, "the rank dies alone")
-        # The engine's loop runs on: its next iteration finds the rank missing.
-        self.wake()
+        self.cluster.rank_dies_alone(self, self.ranks[tp_rank])
 
     def stalled(self) -> bool:
-        """Whether a rank died alone, so that a scheduler step needing every rank
-        cannot complete; the first such step starts the agreement timeout."""
-        if not self.dead_ranks:
-            return False
-        if not self.stalling:
-            self.stalling = True
-            keys = [(self.key(request), request.room) for request in self.requests.values()]
-            keys += [(self.pages_key(request), request.room) for request in self.held.values()]
-            self.cluster.stall(self, keys)
-        return True
+        """Whether a scheduler step needing every rank cannot complete
+        (:meth:`Cluster.stalled <tspd.sim.cluster.Cluster.stalled>`)."""
+        return self.cluster.stalled(
+            self,
+            lambda: (
+                [(self.key(r), r.room) for r in self.requests.values()]
+                + [(self.pages_key(r), r.room) for r in self.held.values()]
+            ),
+        )
 
     # ------------------------------------------------------------------ driving cores
 
