@@ -793,10 +793,20 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         otherwise (that rank then writes in place)."""
         pool = self._staging
         assert pool is not None
+        contract = self.config.contract
         slots = self._slots.get(room)
         ranges = next(iter(slots.values())) if slots else None
         if ranges is None:
-            starts, ends = room_ranges(self.config.contract, manifest)
+            # The room's payload bytes bound its merged page ranges from above: a
+            # room below the threshold is settled without building the ranges.
+            payload = sum(
+                len(group.block_ids)
+                * sum(f.payload_bytes for f in contract.fields_for_group(group.group_id))
+                for group in manifest.groups
+            )
+            if payload < self.config.staging_min_bytes:
+                return None
+            starts, ends = room_ranges(contract, manifest)
         else:
             starts, ends = ranges.starts, ranges.ends
         room_bytes = int((ends - starts).sum())
@@ -805,7 +815,6 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         # Table entries: one per copy of the rank's plan at most, a copy per field
         # page and row of its fragments (one row for a whole copy). A plan of more
         # copies does not fit and is written in place.
-        contract = self.config.contract
         address = self._addresses.get(bootstrap_addr)
         planner = address.planner if address is not None else None
         fragments = (
