@@ -148,3 +148,77 @@ def open_fds() -> int:
     import os
 
     return len(os.listdir("/proc/self/fd"))
+
+
+async def poll_for(peer, rid: str, limit: float = 10):  # type: ignore[no-untyped-def]
+    """Poll a Prefill or Decode peer until it concludes an event for ``rid``."""
+    with trio.fail_after(limit):
+        while True:
+            for event in await peer.poll():
+                if event.rid == rid:
+                    return event
+            await trio.sleep(0.002)
+
+
+async def serve_prefill(
+    peers, rid: str, room: int, prompt: int, *, seed: int, contiguous: bool = True
+):  # type: ignore[no-untyped-def]
+    """Every rank of a Prefill group registers the request, waits for Bootstrapped,
+    fills its pages with the interop pattern and hands them over; the group's one
+    outcome (every rank must agree)."""
+    from tspd.core.commands import Bootstrapped
+    from tspd.core.interop import bootstrap_token_and_candidates
+    from tspd.core.manifest import build_manifest
+    from tspd.shell.arena import fill_room
+    from tspd.shell.prefill import RemoteDecodeRow
+    from tspd.testing.layouts import PageAllocator
+
+    results = {}
+
+    async def rank(peer) -> None:  # type: ignore[no-untyped-def]
+        peer.register_request(rid, room)
+        event = await poll_for(peer, rid)
+        if not isinstance(event, Bootstrapped):
+            results[peer.core.config.tp_rank] = event
+            return
+        contract = peer.core.config.contract
+        tables = PageAllocator(contract, contiguous=contiguous).allocate(prompt)
+        fill_room(
+            peer.arena,
+            contract,
+            build_manifest(contract, tables, 0, prompt),
+            seed=seed,
+            room=room,
+            tp_size=peer.core.config.tp_size,
+            tp_rank=peer.core.config.tp_rank,
+        )
+        token, candidates = bootstrap_token_and_candidates(seed, room, 2)
+        peer.hand_over([RemoteDecodeRow(rid, tables, token, candidates)])
+        results[peer.core.config.tp_rank] = await poll_for(peer, rid)
+
+    async with trio.open_nursery() as nursery:
+        for peer in peers:
+            nursery.start_soon(rank, peer)
+    assert len({type(e) for e in results.values()}) == 1, results
+    return results[0]
+
+
+async def serve_decode(
+    decode, rid: str, room: int, addr: str, prompt: int, *, contiguous: bool = True
+):  # type: ignore[no-untyped-def]
+    """A Decode rank registers the request, pre-allocates on Bootstrapped and waits
+    for the outcome: ``(event, manifest)`` (``manifest`` ``None`` when it never
+    pre-allocated)."""
+    from tspd.core.commands import Bootstrapped
+    from tspd.core.manifest import build_manifest
+    from tspd.testing.layouts import PageAllocator
+
+    decode.register_request(rid, room, addr)
+    event = await poll_for(decode, rid)
+    if not isinstance(event, Bootstrapped):
+        return event, None
+    contract = decode.core.config.contract
+    tables = PageAllocator(contract, contiguous=contiguous).allocate(prompt)
+    manifest = build_manifest(contract, tables, 0, prompt)
+    decode.send_preallocation(room, manifest)
+    return await poll_for(decode, rid), manifest

@@ -7,20 +7,19 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import trio
-from pd_helpers import port_is_free, wait_until
+from pd_helpers import poll_for, port_is_free, serve_decode, serve_prefill, wait_until
 
-from tspd.core.commands import Bootstrapped, Event, Failed, RemotePrefillDone, Succeeded
+from tspd.core.commands import Bootstrapped, Failed, RemotePrefillDone, Succeeded
 from tspd.core.contract import CacheContract
 from tspd.core.decode import DecodeConfig
 from tspd.core.interop import bootstrap_token_and_candidates
-from tspd.core.manifest import build_manifest
 from tspd.core.prefill import PrefillConfig
 from tspd.shell.agreement import ZmqAgreement
-from tspd.shell.arena import HostArena, fill_room, verify_room
+from tspd.shell.arena import HostArena, verify_room
 from tspd.shell.bootstrap import open_bootstrap_server
 from tspd.shell.decode import DecodePeer, DecodeSettings, open_decode_peer
 from tspd.shell.ports import free_port
-from tspd.shell.prefill import PrefillPeer, PrefillSettings, RemoteDecodeRow, open_prefill_peer
+from tspd.shell.prefill import PrefillPeer, PrefillSettings, open_prefill_peer
 from tspd.testing.fake_engine import AsyncFakeEngine, FakeFabric
 from tspd.testing.layouts import PageAllocator, multi_layer_contract, simple_contract
 
@@ -33,15 +32,6 @@ def _contract(tp: int) -> CacheContract:
     return multi_layer_contract(
         layers=2, num_pages=24, heads=GLOBAL_HEADS // tp, head_dim=4, tp_size=tp
     )
-
-
-async def _poll_for(peer: PrefillPeer | DecodePeer, rid: str, limit: float = 10) -> Event:
-    with trio.fail_after(limit):
-        while True:
-            for event in await peer.poll():
-                if event.rid == rid:
-                    return event
-            await trio.sleep(0.002)
 
 
 @asynccontextmanager
@@ -75,49 +65,6 @@ async def _prefill_group(
             )
             peers.append(peer)
         yield peers
-
-
-async def _serve_prefill(peers: Sequence[PrefillPeer], rid: str, room: int, prompt: int) -> Event:
-    """Every rank registers the request, waits for Bootstrapped, fills and hands over."""
-    results: dict[int, Event] = {}
-
-    async def rank(peer: PrefillPeer) -> None:
-        peer.register_request(rid, room)
-        event = await _poll_for(peer, rid)
-        if not isinstance(event, Bootstrapped):
-            results[peer.core.config.tp_rank] = event
-            return
-        contract = peer.core.config.contract
-        tables = PageAllocator(contract).allocate(prompt)
-        fill_room(
-            peer.arena,
-            contract,
-            build_manifest(contract, tables, 0, prompt),
-            seed=SEED,
-            room=room,
-            tp_size=peer.core.config.tp_size,
-            tp_rank=peer.core.config.tp_rank,
-        )
-        token, candidates = bootstrap_token_and_candidates(SEED, room, 2)
-        peer.hand_over([RemoteDecodeRow(rid, tables, token, candidates)])
-        results[peer.core.config.tp_rank] = await _poll_for(peer, rid)
-
-    async with trio.open_nursery() as nursery:
-        for peer in peers:
-            nursery.start_soon(rank, peer)
-    assert len({type(e) for e in results.values()}) == 1, results
-    return results[0]
-
-
-async def _serve_decode(decode: DecodePeer, rid: str, room: int, addr: str, prompt: int):  # type: ignore[no-untyped-def]
-    decode.register_request(rid, room, addr)
-    event = await _poll_for(decode, rid)
-    if not isinstance(event, Bootstrapped):
-        return event, None
-    contract = decode.core.config.contract
-    manifest = build_manifest(contract, PageAllocator(contract).allocate(prompt), 0, prompt)
-    decode.send_preallocation(room, manifest)
-    return await _poll_for(decode, rid), manifest
 
 
 def _assert_empty(stats: dict[str, int], keys: Sequence[str]) -> None:
@@ -158,12 +105,12 @@ async def test_end_to_end_over_bootstrap_with_tp(prefill_tp: int, decode_tp: int
         outcome: dict[str, object] = {}
 
         async def decode_rank(peer: DecodePeer) -> None:
-            outcome[f"d{peer.core.config.tp_rank}"] = await _serve_decode(
+            outcome[f"d{peer.core.config.tp_rank}"] = await serve_decode(
                 peer, "req", room, server.address, PROMPT
             )
 
         async def prefill_side() -> None:
-            outcome["p"] = await _serve_prefill(prefill, "req", room, PROMPT)
+            outcome["p"] = await serve_prefill(prefill, "req", room, PROMPT, seed=SEED)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(prefill_side)
@@ -199,7 +146,7 @@ async def test_an_unreachable_bootstrap_server_fails_the_room_with_its_reason() 
         async with open_decode_peer(cfg, AsyncFakeEngine(fabric=FakeFabric()), arena) as decode:
             addr = f"127.0.0.1:{free_port()}"
             decode.register_request("x", 5, addr)
-            event = await _poll_for(decode, "x")
+            event = await poll_for(decode, "x")
             assert isinstance(event, Failed)
             assert (
                 event.reason == f"Could not fetch prefill parallel info from bootstrap_addr: {addr}"
@@ -215,7 +162,7 @@ async def test_an_incompatible_prefill_fails_the_room_instead_of_raising() -> No
             cfg = DecodeConfig(1, 0, other, 1, "", "", 1)
             async with open_decode_peer(cfg, AsyncFakeEngine(fabric=fabric), arena) as decode:
                 decode.register_request("y", 6, server.address)
-                event = await _poll_for(decode, "y")
+                event = await poll_for(decode, "y")
                 assert isinstance(event, Failed)
                 assert event.reason.startswith("Cache P/D contract mismatch: ")
 
@@ -232,12 +179,12 @@ async def test_heartbeat_failures_fail_the_rooms_of_a_lost_prefill() -> None:
             async with open_bootstrap_server() as server, _prefill_group(1, fabric, server.address):
                 addr = server.address
                 decode.register_request("z", 7, addr)
-                assert isinstance(await _poll_for(decode, "z"), Bootstrapped)
+                assert isinstance(await poll_for(decode, "z"), Bootstrapped)
                 tables = PageAllocator(contract).allocate(PROMPT)
                 decode.send_preallocation(7, tables, prompt_len=PROMPT)
                 await wait_until(lambda: decode.heartbeats >= 2)
             # The Prefill instance and its bootstrap server are gone.
-            event = await _poll_for(decode, "z")
+            event = await poll_for(decode, "z")
             assert isinstance(event, Failed)
             assert (
                 event.reason == f"Losing connection with prefill instance (bootstrap_addr: {addr})"
@@ -252,7 +199,7 @@ async def test_waiting_timeout_fails_a_room_whose_prefill_never_sends() -> None:
         with HostArena.for_contract(contract) as arena:
             cfg = DecodeConfig(1, 0, contract, 1, "", "", 1, waiting_timeout=0.3)
             async with open_decode_peer(cfg, AsyncFakeEngine(fabric=fabric), arena) as decode:
-                event, _ = await _serve_decode(decode, "w", 8, server.address, PROMPT)
+                event, _ = await serve_decode(decode, "w", 8, server.address, PROMPT)
                 assert isinstance(event, Failed)
                 assert event.reason.startswith("Request 8 timed out after 0.")
                 assert event.reason.endswith("s in TransferPoll.WaitingForInput")

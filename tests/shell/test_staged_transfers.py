@@ -11,23 +11,21 @@ from typing import Any
 
 import pytest
 import trio
-from pd_helpers import wait_until
+from pd_helpers import serve_decode, serve_prefill, wait_until
 
-from tspd.core.commands import Bootstrapped, Event, RemotePrefillDone, Succeeded
+from tspd.core.commands import RemotePrefillDone, Succeeded
 from tspd.core.contract import CacheContract
 from tspd.core.decode import DecodeConfig
-from tspd.core.interop import bootstrap_token_and_candidates
-from tspd.core.manifest import build_manifest
 from tspd.core.prefill import PrefillConfig
 from tspd.shell import transfers
 from tspd.shell.agreement import ZmqAgreement
-from tspd.shell.arena import HostArena, fill_room, verify_room
+from tspd.shell.arena import HostArena, verify_room
 from tspd.shell.bootstrap import open_bootstrap_server
 from tspd.shell.decode import DecodePeer, open_decode_peer
 from tspd.shell.ports import free_port
-from tspd.shell.prefill import PrefillPeer, PrefillSettings, RemoteDecodeRow, open_prefill_peer
+from tspd.shell.prefill import PrefillPeer, PrefillSettings, open_prefill_peer
 from tspd.testing.fake_engine import AsyncFakeEngine, FakeFabric
-from tspd.testing.layouts import PageAllocator, multi_layer_contract
+from tspd.testing.layouts import multi_layer_contract
 
 SEED = 5
 PROMPT = 40  # pages of 1 token: scattered, 2 layers x k/v fields each
@@ -37,15 +35,6 @@ STAGING = 4 << 20
 
 def _contract(tp: int) -> CacheContract:
     return multi_layer_contract(layers=2, num_pages=96, heads=HEADS // tp, head_dim=4, tp_size=tp)
-
-
-async def _poll_for(peer: PrefillPeer | DecodePeer, rid: str, limit: float = 10) -> Event:
-    with trio.fail_after(limit):
-        while True:
-            for event in await peer.poll():
-                if event.rid == rid:
-                    return event
-            await trio.sleep(0.002)
 
 
 @asynccontextmanager
@@ -86,49 +75,6 @@ async def _group(
         yield peers
 
 
-async def _serve_prefill(peers: Sequence[PrefillPeer], rid: str, room: int) -> Event:
-    results: dict[int, Event] = {}
-
-    async def rank(peer: PrefillPeer) -> None:
-        peer.register_request(rid, room)
-        event = await _poll_for(peer, rid)
-        if not isinstance(event, Bootstrapped):
-            results[peer.core.config.tp_rank] = event
-            return
-        contract = peer.core.config.contract
-        tables = PageAllocator(contract, contiguous=False).allocate(PROMPT)
-        fill_room(
-            peer.arena,
-            contract,
-            build_manifest(contract, tables, 0, PROMPT),
-            seed=SEED,
-            room=room,
-            tp_size=peer.core.config.tp_size,
-            tp_rank=peer.core.config.tp_rank,
-        )
-        token, candidates = bootstrap_token_and_candidates(SEED, room, 2)
-        peer.hand_over([RemoteDecodeRow(rid, tables, token, candidates)])
-        results[peer.core.config.tp_rank] = await _poll_for(peer, rid)
-
-    async with trio.open_nursery() as nursery:
-        for peer in peers:
-            nursery.start_soon(rank, peer)
-    assert len({type(e) for e in results.values()}) == 1, results
-    return results[0]
-
-
-async def _serve_decode(decode: DecodePeer, rid: str, room: int, addr: str) -> tuple[Event, Any]:
-    decode.register_request(rid, room, addr)
-    event = await _poll_for(decode, rid)
-    if not isinstance(event, Bootstrapped):
-        return event, None
-    contract = decode.core.config.contract
-    tables = PageAllocator(contract, contiguous=False).allocate(PROMPT)
-    manifest = build_manifest(contract, tables, 0, PROMPT)
-    decode.send_preallocation(room, manifest)
-    return await _poll_for(decode, rid), manifest
-
-
 async def _run(
     prefill_tp: int,
     decode_tp: int,
@@ -148,12 +94,14 @@ async def _run(
             rid = f"req-{room}"
 
             async def decode_rank(peer: DecodePeer, rid: str = rid, room: int = room) -> None:
-                out[f"{room}/d{peer.core.config.tp_rank}"] = await _serve_decode(
-                    peer, rid, room, server.address
+                out[f"{room}/d{peer.core.config.tp_rank}"] = await serve_decode(
+                    peer, rid, room, server.address, PROMPT, contiguous=False
                 )
 
             async def prefill_side(rid: str = rid, room: int = room) -> None:
-                out[f"{room}/p"] = await _serve_prefill(prefill, rid, room)
+                out[f"{room}/p"] = await serve_prefill(
+                    prefill, rid, room, PROMPT, seed=SEED, contiguous=False
+                )
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(prefill_side)
