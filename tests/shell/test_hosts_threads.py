@@ -455,9 +455,9 @@ def test_a_thread_scheduler_puts_prefill_to_sleep_and_wakes_it(pd: LocalPD) -> N
 
 
 def test_poll_with_wait_brings_the_events_of_the_wake_in_one_call(pd: LocalPD) -> None:
-    """``poll(wait=t)`` sleeps in the Trio thread until the peer sees activity (at
-    most ``t``), then polls: an idle round lasts about ``t``, a busy one returns at
-    once with the events."""
+    """``poll(wait=t)`` sleeps until the peer concluded events (at most ``t``), then
+    returns them: an idle round lasts about ``t``, a busy one returns at once with
+    the events."""
     with open_trio_thread() as host:
         server = host.enter(pd.bootstrap_server())
         prefill = ThreadedPrefill(host, host.enter(pd.prefill_peer(server.address)))
@@ -525,6 +525,56 @@ def test_a_group_of_one_polls_in_one_plain_crossing_and_a_tp_group_must_agree(
         peer.agreement = TwoRanks()  # type: ignore[assignment]
         with pytest.raises(RuntimeError, match="group of one rank; this one has 2"):
             host.call_sync(real)
+        with pytest.raises(RuntimeError, match="eager conclusion needs a group of one"):
+            host.call_sync(peer.conclude_eagerly)
+
+
+def test_a_wake_carries_its_events_and_poll_takes_them_without_a_crossing(
+    pd: LocalPD,
+) -> None:
+    """A group of one concludes in the Trio thread as input arrives: the scheduler
+    thread's wake comes with the events, and ``poll()`` takes them even while the
+    Trio thread is busy (a crossing could not finish); events not yet taken keep
+    ``has_in_flight()`` true."""
+    with open_trio_thread() as host:
+        server = host.enter(pd.bootstrap_server())
+        prefill = ThreadedPrefill(host, host.enter(pd.prefill_peer(server.address)))
+        decode = ThreadedDecode(host, host.enter(pd.decode_peer()))
+        assert decode.peer.eager
+        assert prefill.peer.eager
+        decode.register_request("e", 3200, server.address)
+        prefill.register_request("e", 3200)
+
+        def while_trio_is_busy(poll: Any) -> list[Event]:
+            hold = threading.Event()
+            blocker = host.post(hold.wait, 5.0)
+            try:
+                return list(poll(timeout=0.5))
+            finally:
+                hold.set()
+                assert blocker.result(timeout=5) is True
+
+        assert decode.wait_for_activity(5.0) is True  # the lookups' answers, concluded
+        assert [type(e) for e in while_trio_is_busy(decode.poll)] == [Bootstrapped]
+        decode.send_preallocation(3200, pd.preallocation(3200, PROMPT))
+        deadline = time.monotonic() + 20
+        handed = False
+        while not handed:
+            assert time.monotonic() < deadline
+            prefill.wait_for_activity(0.2)
+            for event in prefill.poll():
+                if isinstance(event, Bootstrapped):
+                    prefill.hand_over([pd.prompt("e", 3200, PROMPT).row])
+                    handed = True
+        events: list[Event] = []
+        while not events:
+            assert time.monotonic() < deadline
+            if decode.wait_for_activity(0.2):
+                # Concluded already: the room's events wait for the scheduler.
+                assert decode.has_in_flight()
+                events = while_trio_is_busy(decode.poll)
+        assert [type(e) for e in events][:1] == [RemotePrefillDone], events
+        assert decode.poll() == []
 
 
 def test_a_burst_of_posts_wakes_the_trio_thread_once_and_keeps_its_order() -> None:

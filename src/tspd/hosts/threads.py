@@ -14,11 +14,14 @@ comes back at once: ignore it, or ``result()`` for the error the call raised),
 *called* or *awaited* (the caller waits for the result), or for Prefill's forward
 side through the peer's :class:`~tspd.shell.prefill.PrefillOutbox`. A facade's
 ``not_exposed`` names, with the reason, the public peer members it leaves out; a
-test fails on any other that is missing. ``poll()`` waits for the poll round (the
-TP group's agreement), never for a transfer; an idle scheduler calls
-``poll(wait=t)``, which first sleeps in the Trio thread until the peer sees
-activity (at most ``t`` seconds) and brings that wake's events back in the same
-crossing (``wait_for_activity(t)`` is the wake alone, with no crossing).
+test fails on any other that is missing. ``poll()`` never waits for a transfer. For a
+group of one rank, the facade turns on the peer's eager conclusion
+(:meth:`~tspd.shell.peer.RankPeer.conclude_eagerly`): the Trio thread concludes
+as input arrives, and ``poll()`` takes those events in the calling thread with no
+crossing (one plain call when none wait). An idle scheduler calls
+``poll(wait=t)``, which sleeps until a conclusion brought events (at most ``t``
+seconds); ``wait_for_activity(t)`` is the wake alone. A TP group's ``poll()``
+waits for the group's agreement in the Trio thread.
 :class:`ThreadedSubscriber` -- ``get(timeout)`` returns the next KV-event item or
 ``None``. Publishing needs no facade: :class:`~tspd.shell.kv_publisher.KVEventPublisher`
 ``publish`` / ``publish_nowait`` are thread-safe already.
@@ -386,6 +389,10 @@ class _Peer(Protocol):
 
     def poll_now(self) -> list[Event]: ...
 
+    def conclude_eagerly(self, eager: bool = True) -> None: ...
+
+    def take_ready(self) -> list[Event]: ...
+
     async def wait_for_activity(self) -> None: ...
 
 
@@ -409,7 +416,15 @@ class ThreadedPeer(Generic[PeerT_co]):
         self._host = host
         self.peer = peer
         self._wake = threading.Event()
-        host.call_sync(setattr, peer, "on_activity", self._wake.set)
+        #: A group of one concludes its polls in the Trio thread as input arrives, so
+        #: a poll takes their events without a crossing (RankPeer.conclude_eagerly).
+        self._eager = peer.agreement.group_size == 1
+        host.call_sync(self._attach)
+
+    def _attach(self) -> None:
+        self.peer.on_activity = self._wake.set
+        if self._eager:
+            self.peer.conclude_eagerly()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -423,10 +438,10 @@ class ThreadedPeer(Generic[PeerT_co]):
 
     def wait_for_activity(self, timeout: float) -> bool:
         """Block until the peer saw activity since the last call -- a message, a
-        transfer outcome, a lookup, a timer -- at most ``timeout`` seconds; ``True``
-        when it did (then poll), ``False`` on timeout. The peer sets a
-        ``threading.Event`` from its Trio thread: one wake, no polling, no round
-        trip."""
+        transfer outcome, a lookup, a timer; for a group of one, a conclusion that
+        brought events -- at most ``timeout`` seconds; ``True`` when it did (then
+        poll), ``False`` on timeout. The peer sets a ``threading.Event`` from its
+        Trio thread: one wake, no polling, no round trip."""
         if self._wake.wait(timeout):
             self._wake.clear()
             return True
@@ -434,17 +449,29 @@ class ThreadedPeer(Generic[PeerT_co]):
 
     def poll(self, timeout: float = POLL_TIMEOUT, *, wait: float = 0.0) -> list[Event]:
         """One poll round (the peer's ``poll``, docs/protocol.md#proto-prefill-poll and
-        #proto-decode-poll): waits for the TP group's agreement, never for a
-        transfer. Raises ``TimeoutError`` after ``timeout`` seconds (plus ``wait``).
+        #proto-decode-poll), never waiting for a transfer. Raises ``TimeoutError``
+        after ``timeout`` seconds (plus ``wait``).
 
-        With ``wait`` (seconds), the round first waits in the Trio thread until the
-        peer saw activity (its ``wait_for_activity``), at most ``wait``: an idle
-        scheduler gets the events of a wake in the same crossing, instead of a wake
-        (:meth:`wait_for_activity`) and then a second crossing to poll."""
+        A group of one rank concludes eagerly (docs/architecture.md#threads): the
+        events the Trio thread concluded are taken here without a crossing, and
+        only when none wait does the round make one plain call to the peer's
+        ``poll_now``. With ``wait`` (seconds) and no events waiting, it first sleeps
+        until a conclusion brings some, at most ``wait``. A TP group's round waits
+        for the group's agreement in the Trio thread; with ``wait`` it first waits
+        there for the peer's activity, in the same crossing."""
+        if self._eager:
+            # The Trio thread concluded as input arrived: take those events here, with
+            # no crossing; cross only when there are none (one plain call, which
+            # also runs after this thread's posts and sees time passing).
+            self._wake.clear()
+            events = self.peer.take_ready()
+            if not events and wait > 0 and self._wake.wait(wait):
+                self._wake.clear()
+                events = self.peer.take_ready()
+            if events:
+                return events
+            return self._host.post(self.peer.poll_now).result(timeout)
         if wait <= 0:
-            if self.peer.agreement.group_size == 1:
-                # No agreement to wait for: one plain call, no task in the Trio thread.
-                return self._host.post(self.peer.poll_now).result(timeout)
             return self._host.call(self.peer.poll, timeout=timeout)
         return self._host.call(self._poll_after_activity, wait, timeout=wait + timeout)
 
@@ -455,8 +482,6 @@ class ThreadedPeer(Generic[PeerT_co]):
     async def _poll_after_activity(self, wait: float) -> list[Event]:
         with trio.move_on_after(wait):
             await self.peer.wait_for_activity()
-        if self.peer.agreement.group_size == 1:
-            return self.peer.poll_now()
         return await self.peer.poll()
 
 
@@ -550,6 +575,7 @@ def _outboxed(
 _TRANSFER_FEEDBACK = "transfer feedback from the peer's own workers, in the Trio thread"
 _SESSION_ID = "fixed once the peer runs: read ``peer.session_id`` from any thread"
 _POLL_NOW = "poll() runs it in one plain crossing when the peer's group is one rank"
+_EAGER = "the facade turns eager conclusion on for a group of one; poll() takes its events"
 
 
 @final
@@ -567,6 +593,9 @@ class ThreadedPrefill(ThreadedPeer[PrefillPeer]):
         "room_active": _TRANSFER_FEEDBACK,
         "outbox": "its methods are this facade's forward-side methods",
         "poll_now": _POLL_NOW,
+        "conclude_eagerly": _EAGER,
+        "eager": _EAGER,
+        "take_ready": _EAGER,
         "session_id": _SESSION_ID,
     }
 
@@ -602,6 +631,9 @@ class ThreadedDecode(ThreadedPeer[DecodePeer]):
     not_exposed: ClassVar[Mapping[str, str]] = {
         "server_key": "the push pool's CURVE key lookup (secure mode), in the Trio thread",
         "poll_now": _POLL_NOW,
+        "conclude_eagerly": _EAGER,
+        "eager": _EAGER,
+        "take_ready": _EAGER,
         "session_id": _SESSION_ID,
     }
 

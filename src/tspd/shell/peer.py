@@ -187,6 +187,11 @@ class RankPeer(ABC, Generic[CmdT]):
         #: Called (in the Trio thread) whenever :meth:`wait_for_activity` would wake;
         #: a thread host sets it to wake its scheduler thread without polling.
         self.on_activity: Callable[[], None] | None = None
+        #: Eager conclusion (:meth:`conclude_eagerly`): polls already concluded in the
+        #: Trio thread, oldest first, not yet taken by a poll.
+        self._ready: deque[list[Event]] = deque()
+        self._eager = False
+        self._conclude_due = trio.Event()
 
     # -- command execution -------------------------------------------------------
 
@@ -196,12 +201,18 @@ class RankPeer(ABC, Generic[CmdT]):
         marks input from outside the scheduler (a message, a transfer outcome, a
         lookup, a timer)."""
         if activity:
-            self._activity.set()
-            if self.on_activity is not None:
-                self.on_activity()
+            if self._eager:
+                self._conclude_due.set()  # the conclusion task wakes the waiters
+            else:
+                self._signal_activity()
         self._execute_queued()
         self.observer.finished(self.core.drain_finished())
         self._timer.poke()
+
+    def _signal_activity(self) -> None:
+        self._activity.set()
+        if self.on_activity is not None:
+            self.on_activity()
 
     def _execute_queued(self) -> None:
         """Drain the core's commands: each is logged and counted by the observer,
@@ -228,9 +239,34 @@ class RankPeer(ABC, Generic[CmdT]):
         self._pump(activity=True)
 
     async def _start_tasks(self, nursery: trio.Nursery) -> None:
-        """Start the push pool and the timer (the side starts its own tasks next)."""
+        """Start the push pool, the timer and the eager conclusion task (the side
+        starts its own tasks next)."""
         await nursery.start(self._pushes.run)
         await nursery.start(self._timer.run)
+        await nursery.start(self._conclude_when_due)
+
+    async def _conclude_when_due(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The eager conclusion task: once per burst of activity (every input that
+        arrived before it runs), conclude a poll and keep its events for the next
+        :meth:`poll`; then wake the waiters, only when that brought events."""
+        task_status.started()
+        while True:
+            await self._conclude_due.wait()
+            self._conclude_due = trio.Event()
+            if not self._eager:
+                self._signal_activity()
+                continue
+            try:
+                events = self._conclude(list(self.core.poll_values(trio.current_time())))
+            except Exception:
+                self.observer.internal_error("an eager poll")
+                self._signal_activity()
+                continue
+            if events:
+                self._ready.append(events)
+                self._signal_activity()
 
     # -- scheduler-side API -------------------------------------------------------
 
@@ -244,9 +280,12 @@ class RankPeer(ABC, Generic[CmdT]):
         :class:`~tspd.core.commands.Failed` (and, on Decode,
         :class:`~tspd.core.commands.PagesReleased`). Every rank of the group polls
         once per scheduler iteration."""
+        if self._eager:  # a group of one: nothing to agree on, nothing to await
+            await trio.lowlevel.checkpoint()
+            return self.poll_now()
         values = self.core.poll_values(trio.current_time())
         agreed = await self.agreement.agree(values)
-        return self._conclude(agreed)
+        return self._take_ready() + self._conclude(agreed)
 
     def poll_now(self) -> list[Event]:
         """:meth:`poll` for a rank that agrees with itself alone (a group of one,
@@ -258,7 +297,44 @@ class RankPeer(ABC, Generic[CmdT]):
                 f"poll_now() needs a group of one rank; this one has "
                 f"{self.agreement.group_size}: await poll() instead"
             )
-        return self._conclude(list(self.core.poll_values(trio.current_time())))
+        return self._take_ready() + self._conclude(list(self.core.poll_values(trio.current_time())))
+
+    def conclude_eagerly(self, eager: bool = True) -> None:
+        """Conclude a poll in the Trio thread as soon as input arrives, instead of
+        waiting for the scheduler's next :meth:`poll` (a group of one rank only).
+        The events wait, in order, for the next poll (:meth:`take_ready` takes them
+        from any thread without a crossing), and :meth:`wait_for_activity` and
+        :attr:`on_activity` wake only when such a conclusion brought events. A
+        thread host turns this on, so a scheduler thread's wake-up carries its
+        events with it (docs/architecture.md#threads). Turning it off hands the
+        events still kept to the next poll."""
+        if eager and self.agreement.group_size != 1:
+            raise RuntimeError(
+                f"eager conclusion needs a group of one rank; this one has "
+                f"{self.agreement.group_size}, whose ranks must poll together"
+            )
+        self._eager = eager
+
+    @property
+    def eager(self) -> bool:
+        """Whether polls are concluded eagerly (:meth:`conclude_eagerly`)."""
+        return self._eager
+
+    def take_ready(self) -> list[Event]:
+        """The events of eager conclusions not yet taken, oldest first, and forget
+        them; safe from any thread (the Trio thread only appends)."""
+        return self._take_ready()
+
+    def _take_ready(self) -> list[Event]:
+        ready = self._ready
+        if not ready:
+            return []
+        events: list[Event] = []
+        while True:
+            try:
+                events += ready.popleft()
+            except IndexError:
+                return events
 
     def _conclude(self, agreed: list[int]) -> list[Event]:
         events = self.core.conclude(agreed, trio.current_time())
@@ -275,14 +351,16 @@ class RankPeer(ABC, Generic[CmdT]):
         """Return once something arrived from outside the scheduler since the last
         call — a peer's message, a transfer outcome, a lookup, a timer — so a
         scheduler loop can sleep between polls instead of spinning. Bound the wait
-        (``trio.move_on_after``): polls also see time passing."""
+        (``trio.move_on_after``): polls also see time passing. With eager
+        conclusion (:meth:`conclude_eagerly`) it returns once a conclusion brought
+        events, which the next poll returns."""
         await self._activity.wait()
         self._activity = trio.Event()
 
     def has_in_flight(self) -> bool:
         """Whether any request is tracked (Prefill: one that may still send KV;
         Decode: also a failed room whose pages are held), so the scheduler polls."""
-        return self.core.has_in_flight()
+        return self.core.has_in_flight() or bool(self._ready)
 
     def room_state(self, room: int) -> RoomState:
         """``room``'s state on this rank (``ABSENT`` when it has no entry)."""
