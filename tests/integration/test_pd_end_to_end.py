@@ -66,17 +66,24 @@ def _workload(rooms: range, **changes: Any) -> Workload:
 # ----------------------------------------------------------------------------- demo runs
 
 
+_THREAD = ("--driver", "thread")
+
+
 @pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp", "layerwise", "heads"),
+    ("prefill_tp", "decode_tp", "layerwise", "heads", "decode_args"),
     [
-        pytest.param(2, 1, False, 4, id="full-tp2-to-tp1"),
-        pytest.param(1, 2, True, 4, id="layerwise-tp1-to-tp2"),
-        pytest.param(4, 1, False, 2, id="full-tp4-to-tp1-dummy-ranks"),
-        pytest.param(2, 2, True, 4, id="layerwise-tp2-equal"),
+        pytest.param(2, 1, False, 4, (), id="full-tp2-to-tp1"),
+        pytest.param(1, 2, True, 4, (), id="layerwise-tp1-to-tp2"),
+        pytest.param(4, 1, False, 2, (), id="full-tp4-to-tp1-dummy-ranks"),
+        pytest.param(2, 2, True, 4, (), id="layerwise-tp2-equal"),
+        # The Decode scheduler a plain thread (tspd.hosts.threads): a group of one
+        # concludes eagerly, a TP group polls together through the facade.
+        pytest.param(2, 1, False, 4, _THREAD, id="full-tp2-to-tp1-thread-scheduler"),
+        pytest.param(1, 2, True, 4, _THREAD, id="layerwise-tp1-to-tp2-thread-schedulers"),
     ],
 )
 async def test_demo_moves_verified_bytes(
-    prefill_tp: int, decode_tp: int, layerwise: bool, heads: int
+    prefill_tp: int, decode_tp: int, layerwise: bool, heads: int, decode_args: tuple[str, ...]
 ) -> None:
     options = DemoOptions(
         workload=_workload(range(5000, 5024), global_heads=heads, candidates=2),
@@ -86,12 +93,17 @@ async def test_demo_moves_verified_bytes(
         layerwise=layerwise,
         scatter=layerwise,
         timeout=120,
+        decode_args=decode_args,
     )
     summary = await run_demo(options)
     assert summary.errors == []
     assert summary.reasons == {}
     assert (summary.succeeded, summary.failed) == (24, 0)
     assert summary.bytes_verified > 0
+    # Every Decode rank reported when each room ended on its peer and when its
+    # scheduler saw it.
+    assert len(summary.scheduler_lags) == 24 * decode_tp
+    assert all(0 <= lag < 10 for lag in summary.scheduler_lags)
     for name, stats in summary.stats.items():
         keys = DECODE_EMPTY if name.startswith("decode") else PREFILL_EMPTY
         assert all(stats[k] == 0 for k in keys), (name, stats)

@@ -10,7 +10,12 @@ same run, straight through Mooncake and pyzmq with no tspd code in between:
   Mooncake write and a bare ZMQ round trip;
 * **hand-over → Decode completion** p50/p99 with one room in flight (the Prefill's
   hand-over call to the Decode scheduler's completion event); beside it, the same
-  bare write and round trip;
+  bare write and round trip. It runs twice: with the Decode scheduler a Trio task
+  beside the peer, and a plain thread reaching the peer through
+  :mod:`tspd.hosts.threads` (``tspd demo decode --driver thread``), as
+  TokenSpeed's, SGLang's and vLLM's schedulers are threads; for both, how long
+  after a room ended on the peer its scheduler saw it, beside a bare thread
+  wake-up (:func:`~tspd.bench.raw.measure_thread_wake`);
 * **effective GB/s for a 64 MiB room** of 16,384 × 4 KiB pages, allocated
   contiguously and scattered (bytes / hand-over → completion); beside them, one
   64 MiB write and the same bytes as 16,384 separate descriptors, each timed two
@@ -48,7 +53,14 @@ import click
 import trio
 
 from tspd.bench.core import one_field_contract
-from tspd.bench.raw import MooncakeLimit, ZmqLimit, measure_mooncake, measure_zmq_rtt
+from tspd.bench.raw import (
+    MooncakeLimit,
+    ThreadWake,
+    ZmqLimit,
+    measure_mooncake,
+    measure_thread_wake,
+    measure_zmq_rtt,
+)
 from tspd.demo.orchestrate import DemoOptions, DemoSummary, percentile, run_demo
 from tspd.demo.workload import Workload
 
@@ -83,6 +95,10 @@ class PdFigures:
     secure_latency: DemoSummary | None = None
     #: The scattered 64 MiB rooms sent staged between the two tspd peers.
     staged: DemoSummary | None = None
+    #: The hand-over run again with the Decode scheduler in a plain thread
+    #: (``tspd demo decode --driver thread``), and a bare thread wake-up beside it.
+    thread_latency: DemoSummary | None = None
+    thread_wake: ThreadWake | None = None
 
 
 def _contract_file(directory: str, pages: int) -> str:
@@ -98,6 +114,7 @@ async def _demo(
     scatter: bool = False,
     secure: bool = False,
     staging_mib: int = 0,
+    decode_args: tuple[str, ...] = (),
 ) -> DemoSummary:
     summary = await run_demo(
         DemoOptions(
@@ -109,7 +126,7 @@ async def _demo(
             staging_mib=staging_mib,
             timeout=600,
             prefill_args=_HOLD,
-            decode_args=_HOLD,
+            decode_args=(*_HOLD, *decode_args),
             secure=secure,
         )
     )
@@ -135,7 +152,7 @@ async def run_pd_bench(
     if big_rooms < 1:
         raise ValueError(f"large_rooms must be at least 1, got {big_rooms}")
     in_flight = 64 if quick else 256
-    throughput = latency = secure_throughput = secure_latency = None
+    throughput = latency = secure_throughput = secure_latency = thread_latency = None
     with tempfile.TemporaryDirectory(prefix="tspd-bench-pd-") as directory:
         small = _contract_file(directory, in_flight + 8)
         big = _contract_file(directory, BIG_PAGES + 8)
@@ -151,6 +168,13 @@ async def run_pd_bench(
                     rooms=range(1, 1 + latency_rooms), contract_file=small, fixed_prompt_pages=1
                 ),
                 in_flight=1,
+            )
+            thread_latency = await _demo(
+                Workload(
+                    rooms=range(1, 1 + latency_rooms), contract_file=small, fixed_prompt_pages=1
+                ),
+                in_flight=1,
+                decode_args=("--driver", "thread"),
             )
         if secure and not large_only:
             secure_throughput = await _demo(
@@ -188,7 +212,7 @@ async def run_pd_bench(
             scatter=True,
             staging_mib=STAGING_MIB,
         )
-    small_write = zmq_rtt = None
+    small_write = zmq_rtt = thread_wake = None
     if not large_only:
         small_write = await trio.to_thread.run_sync(
             lambda: measure_mooncake(PAGE, repeats=200 if quick else 2000)
@@ -211,6 +235,9 @@ async def run_pd_bench(
         zmq_rtt = await trio.to_thread.run_sync(
             lambda: measure_zmq_rtt(repeats=300 if quick else 3000)
         )
+        thread_wake = await trio.to_thread.run_sync(
+            lambda: measure_thread_wake(repeats=300 if quick else 3000)
+        )
     return PdFigures(
         throughput=throughput,
         latency=latency,
@@ -226,6 +253,8 @@ async def run_pd_bench(
         secure_throughput=secure_throughput,
         secure_latency=secure_latency,
         staged=staged,
+        thread_latency=thread_latency,
+        thread_wake=thread_wake,
     )
 
 
@@ -275,6 +304,35 @@ def _small_rows(f: PdFigures) -> list[tuple[str, str, str]]:
             f"{_us(percentile(f.latency.handover_latencies, 0.5))} / "
             f"{_us(percentile(f.latency.handover_latencies, 0.99))}{_ok(f.latency)}",
             f"{write}; ZMQ round trip p50 {_us(f.zmq.p50)} / p99 {_us(f.zmq.p99)}",
+        ),
+        *_thread_rows(f, write),
+    ]
+
+
+def _thread_rows(f: PdFigures, write: str) -> list[tuple[str, str, str]]:
+    """The Decode scheduler as a plain thread (tspd.hosts.threads) beside a Trio
+    task: its hand-over latency, and how long after a room ended on the peer each
+    scheduler saw it, beside a bare thread wake-up. The names start with neither
+    "hand-over" nor "rooms/s": readers of ``--json`` find those rows by that."""
+    t, latency, wake = f.thread_latency, f.latency, f.thread_wake
+    if t is None or latency is None or wake is None or f.zmq is None:
+        return []
+
+    def lag(summary: DemoSummary) -> str:
+        lags = summary.scheduler_lags
+        return f"{_us(percentile(lags, 0.5))} / {_us(percentile(lags, 0.99))}"
+
+    return [
+        (
+            "thread scheduler: hand-over → Decode done, 1 in flight, p50 / p99",
+            f"{_us(percentile(t.handover_latencies, 0.5))} / "
+            f"{_us(percentile(t.handover_latencies, 0.99))}{_ok(t)}",
+            f"{write}; ZMQ round trip p50 {_us(f.zmq.p50)} / p99 {_us(f.zmq.p99)}",
+        ),
+        (
+            "room ended → Decode scheduler has it, p50 / p99: Trio task; plain thread",
+            f"{lag(latency)}; {lag(t)}",
+            f"bare thread wake-up p50 {_us(wake.p50)} / p99 {_us(wake.p99)}",
         ),
     ]
 

@@ -1,4 +1,5 @@
-"""Raw limits measured beside tspd's figures: a bare Mooncake write, a bare ZMQ round trip.
+"""Raw limits measured beside tspd's figures: a bare Mooncake write, a bare ZMQ round
+trip, a bare thread wake-up.
 
 Each limit runs in the same benchmark run as the figure it bounds, between two
 processes on 127.0.0.1 like the peers themselves: a helper process (started with
@@ -15,6 +16,11 @@ submitted with ``batch_transfer_async_write`` plus the last descriptor with
 descriptor with short sleeps and then ``get_batch_transfer_status``. On a small
 host the spinning thread takes a core from Mooncake's own threads, so the
 pipelined figure is the higher, and the one a tspd figure can approach.
+
+A thread wake-up (:func:`measure_thread_wake`) is the floor of any blocking
+scheduler thread learning something from another thread: one thread sets a
+``threading.Event`` that another blocks on, timed from just before ``set()`` to
+the waiter's return, in this process.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import mmap
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -35,10 +42,12 @@ import numpy as np
 
 __all__ = [
     "MooncakeLimit",
+    "ThreadWake",
     "ZmqLimit",
     "bare_mooncake_target",
     "bare_zmq_echo",
     "measure_mooncake",
+    "measure_thread_wake",
     "measure_zmq_rtt",
 ]
 
@@ -257,3 +266,42 @@ def measure_zmq_rtt(*, repeats: int = 2000, warmup: int = 200) -> ZmqLimit:
         pull.close()
         ctx.term()
     return ZmqLimit(p50=statistics.median(samples), p99=_percentile(samples, 0.99))
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadWake:
+    """A bare ``threading.Event`` wake-up from one thread to another, seconds."""
+
+    p50: float
+    p99: float
+
+
+def measure_thread_wake(*, repeats: int = 2000, warmup: int = 200) -> ThreadWake:
+    """One-way wake-ups of a thread blocked in ``Event.wait`` by another thread's
+    ``Event.set``: from just before the set to the waiter's return."""
+    wake, ready = threading.Event(), threading.Event()
+    set_at: list[float] = []
+    samples: list[float] = []
+    total = warmup + repeats
+
+    def waiter() -> None:
+        for i in range(total):
+            ready.set()
+            wake.wait()
+            woke = time.perf_counter()
+            wake.clear()
+            if i >= warmup:
+                samples.append(woke - set_at[-1])
+
+    thread = threading.Thread(target=waiter, name="tspd-bench-waiter", daemon=True)
+    thread.start()
+    for _ in range(total):
+        ready.wait()
+        ready.clear()
+        time.sleep(0.0002)  # the waiter is asleep in wait() by now
+        set_at.append(time.perf_counter())
+        wake.set()
+    thread.join(timeout=10)
+    if thread.is_alive() or not samples:
+        raise RuntimeError("the thread wake-up measurement's waiter did not finish")
+    return ThreadWake(p50=statistics.median(samples), p99=_percentile(samples, 0.99))

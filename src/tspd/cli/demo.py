@@ -43,7 +43,13 @@ from tspd.core.config import (
 from tspd.core.errors import TspdError
 from tspd.demo.orchestrate import DemoOptions, DemoSummary, percentile, run_demo
 from tspd.demo.report import Reporter
-from tspd.demo.roles import DemoTunables, RoleOptions, run_decode_rank, run_prefill_rank
+from tspd.demo.roles import (
+    DemoTunables,
+    RoleOptions,
+    run_decode_rank,
+    run_decode_rank_in_thread,
+    run_prefill_rank,
+)
 from tspd.demo.workload import (
     DEFAULT_SPEC_CANDIDATES,
     MAX_SPEC_CANDIDATES,
@@ -429,6 +435,7 @@ def _role_command(role: str) -> click.Command:
         **kw: Any,
     ) -> None:
         _logging(verbose)
+        driver = kw.pop("driver", "trio")
         tuned = _tunables(kw, workers=workers, heartbeat_interval=heartbeat_interval)
         options = RoleOptions(
             workload=_workload(kw),
@@ -454,7 +461,10 @@ def _role_command(role: str) -> click.Command:
         )
         reporter = Reporter(role, rank, hold=hold_reports)
         try:
-            failed = trio.run(runner, options, reporter)
+            if driver == "thread":
+                failed = run_decode_rank_in_thread(options, reporter)
+            else:
+                failed = trio.run(runner, options, reporter)
         except TspdError as err:
             raise click.ClickException(str(err)) from None
         finally:
@@ -462,6 +472,18 @@ def _role_command(role: str) -> click.Command:
         sys.exit(1 if failed else 0)
 
     command.help = f"Run one {role.capitalize()} rank of the demo in this process."
+    if role == "decode":
+        click.option(
+            "--driver",
+            type=click.Choice(["trio", "thread"]),
+            default="trio",
+            show_default=True,
+            help=(
+                "Where the scheduler loop runs: a Trio task beside the peer, or a plain "
+                "thread that reaches the peer in a background Trio thread through "
+                "tspd.hosts.threads (as a thread-hosted engine does)."
+            ),
+        )(command)
     return command
 
 

@@ -105,6 +105,9 @@ class DemoSummary:
     bytes_verified: int = 0
     latencies: list[float] = field(default_factory=list)
     handover_latencies: list[float] = field(default_factory=list)
+    #: Per succeeded room and Decode rank: the room's end on the peer (its event's
+    #: time) to the Decode scheduler seeing the event.
+    scheduler_lags: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
     reasons: dict[int, str] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
@@ -150,6 +153,8 @@ class DemoSummary:
             "latency_p99_s": percentile(self.latencies, 0.99),
             "handover_p50_s": percentile(self.handover_latencies, 0.5),
             "handover_p99_s": percentile(self.handover_latencies, 0.99),
+            "scheduler_lag_p50_s": percentile(self.scheduler_lags, 0.5),
+            "scheduler_lag_p99_s": percentile(self.scheduler_lags, 0.99),
             "gb_per_s": self.gbps,
             "bytes_verified": self.bytes_verified,
             "cpu_per_room_s": {role: self.cpu_per_room(role) for role in self.cpu},
@@ -498,6 +503,11 @@ def _summarise(
             summary.succeeded += 1
             summary.bytes_verified += sum(int(r.get("bytes") or 0) for r in decode_rooms[room])
             summary.latencies.append(max(float(r["latency"]) for r in decode_rooms[room]))
+            summary.scheduler_lags += [
+                float(r["seen"]) - float(r["ended"])
+                for r in decode_rooms[room]
+                if r.get("ended") is not None and r.get("seen") is not None
+            ]
             if room in handovers:
                 done_at = max(float(r.get("seen", r["t"])) for r in decode_rooms[room])
                 summary.handover_latencies.append(done_at - handovers[room])

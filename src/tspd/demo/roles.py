@@ -13,7 +13,11 @@ inference engine would drive the peer:
 * **Decode**: register each request with its bootstrap address, poll; on
   ``Bootstrapped`` allocate and zero pages and pre-allocate them; on
   ``RemotePrefillDone`` verify every byte and the token and candidates against the
-  pattern, free the pages and report.
+  pattern, free the pages and report, with when the room ended on the peer and
+  when the scheduler saw it. The scheduler is a Trio task beside the peer
+  (:func:`run_decode_rank`) or, as in thread-hosted engines, a plain thread that
+  reaches a peer in a background Trio thread through :mod:`tspd.hosts.threads`
+  (:func:`run_decode_rank_in_thread`, ``tspd demo decode --driver thread``).
 
 Progress goes out as JSON lines (:class:`~tspd.demo.report.Reporter`); a failed
 room's line carries the rank's trace of it (:mod:`tspd.core.trace`). With
@@ -28,10 +32,11 @@ token towards the bootstrap server.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -40,6 +45,7 @@ import trio
 
 from tspd.core.commands import (
     Bootstrapped,
+    Event,
     Failed,
     PagesReleased,
     RemotePrefillDone,
@@ -62,6 +68,7 @@ from tspd.core.machines import RoomState
 from tspd.core.manifest import BlockManifest, build_manifest
 from tspd.core.prefill import ExtendRow, PrefillConfig
 from tspd.core.schedule import ProducerSchedule
+from tspd.core.trace import RoomTrace
 from tspd.demo.failures import SessionFailures
 from tspd.demo.report import Reporter
 from tspd.demo.workload import Workload
@@ -78,7 +85,13 @@ from tspd.shell.prefill import PrefillPeer, PrefillSettings, RemoteDecodeRow, op
 from tspd.shell.security import SecurityConfig
 from tspd.shell.steps import StepCounter
 
-__all__ = ["DemoTunables", "RoleOptions", "run_decode_rank", "run_prefill_rank"]
+__all__ = [
+    "DemoTunables",
+    "RoleOptions",
+    "run_decode_rank",
+    "run_decode_rank_in_thread",
+    "run_prefill_rank",
+]
 
 log = component_logger("demo")
 
@@ -218,9 +231,12 @@ async def _metrics(opts: RoleOptions) -> AsyncIterator[tuple[TspdMetrics | None,
         yield metrics, server.url
 
 
-def _failure_trace(peer: PrefillPeer | DecodePeer, room: int, ok: bool) -> dict[str, object] | None:
-    """A failed room's trace on this rank, for its report line."""
-    trace = None if ok else peer.trace(room)
+def _failure_trace(
+    read: Callable[[int], RoomTrace | None], room: int, ok: bool
+) -> dict[str, object] | None:
+    """A failed room's trace on this rank (``read``: the peer's ``trace``), for its
+    report line."""
+    trace = None if ok else read(room)
     return None if trace is None else trace.as_dict()
 
 
@@ -332,7 +348,7 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
                             room=room,
                             ok=ok,
                             reason=None if ok else event.reason,  # type: ignore[union-attr]
-                            trace=_failure_trace(peer, room, ok),
+                            trace=_failure_trace(peer.trace, room, ok),
                         )
                 transferring = False
                 if ready:
@@ -445,11 +461,9 @@ async def _wait_for_prefill(opts: RoleOptions, reporter: Reporter, limit: float 
     )
 
 
-async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
-    """Serve the workload as one Decode rank; returns how many rooms failed (a byte
-    or token mismatch counts as a failure)."""
-    workload = opts.workload
-    contract = workload.contract(opts.tp)
+def _decode_setup(opts: RoleOptions) -> tuple[CacheContract, DecodeConfig, DecodeSettings]:
+    """A Decode rank's contract, core configuration and peer settings."""
+    contract = opts.workload.contract(opts.tp)
     _check_capacity(opts, contract)
     config = DecodeConfig.from_env(
         os.environ,
@@ -467,9 +481,112 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
     settings = DecodeSettings(
         host=opts.host, heartbeat_interval=opts.heartbeat_interval, security=opts.security
     )
+    return contract, config, settings
+
+
+class _DecodeScheduler:
+    """The Decode rank's stand-in scheduler: which requests to register, and what to
+    do with each event. The same for a scheduler that is a Trio task
+    (:func:`run_decode_rank`) and one that is a plain thread
+    (:func:`run_decode_rank_in_thread`); only how it calls the peer differs."""
+
+    def __init__(
+        self,
+        opts: RoleOptions,
+        reporter: Reporter,
+        contract: CacheContract,
+        arena: HostArena,
+        failures: SessionFailures,
+        trace: Callable[[int], RoomTrace | None],
+    ) -> None:
+        self._opts = opts
+        self._trace = trace
+        self._reporter = reporter
+        self._contract = contract
+        self._arena = arena
+        self._failures = failures
+        self._pages = PageAllocator(contract, contiguous=not opts.scatter)
+        self._pending = deque(opts.workload.rooms)
+        #: Registered requests: rid -> (room, when registered).
+        self.live: dict[str, tuple[int, float]] = {}
+        self._held: dict[str, tuple[dict[str, list[int]], BlockManifest]] = {}
+        #: Failed rooms whose pages a Prefill rank may still write: reused only
+        #: after PagesReleased (docs/architecture.md#write-fencing).
+        self._fenced: dict[str, dict[str, list[int]]] = {}
+        self.failed = 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether rooms are left to register or to finish."""
+        return bool(self._pending or self.live)
+
+    def launch(self, register: Callable[[str, int], object]) -> bool:
+        """Register requests (``register(rid, room)``) up to ``in_flight`` live ones;
+        whether any was."""
+        workload, launched = self._opts.workload, False
+        while self._pending and len(self.live) < self._opts.in_flight:
+            room = self._pending.popleft()
+            self.live[workload.rid(room)] = (room, time.monotonic())
+            register(workload.rid(room), room)
+            launched = True
+        return launched
+
+    def handle(
+        self, events: Sequence[Event], preallocate: Callable[[int, BlockManifest], object]
+    ) -> None:
+        """One poll's events: pre-allocate (``preallocate(room, manifest)``) on
+        ``Bootstrapped``, check and report a room that ended, free released pages."""
+        opts, contract, arena = self._opts, self._contract, self._arena
+        for event in events:
+            if isinstance(event, Bootstrapped):
+                if opts.never_preallocate:
+                    continue
+                room = self.live[event.rid][0]
+                prompt = opts.workload.prompt_len(room, contract)
+                row = self._pages.allocate(prompt)
+                manifest = build_manifest(contract, row, 0, prompt)
+                clear_room(arena, contract, manifest)
+                self._held[event.rid] = (row, manifest)
+                preallocate(room, manifest)
+                self._reporter.emit("preallocated", room=room)
+            elif isinstance(event, RemotePrefillDone | Failed):
+                seen = time.monotonic()
+                room, started = self.live.pop(event.rid)
+                row_manifest = self._held.pop(event.rid, None)
+                ok, reason, nbytes = _finish(event, room, row_manifest, arena, contract, opts)
+                if row_manifest is not None:
+                    if isinstance(event, Failed) and event.pages_held:
+                        self._fenced[event.rid] = row_manifest[0]
+                    else:
+                        self._pages.release(row_manifest[0])
+                if not ok:
+                    self.failed += 1
+                    self._failures.add(room, reason or "no reason given")
+                self._reporter.emit(
+                    "room",
+                    room=room,
+                    ok=ok,
+                    reason=reason,
+                    bytes=nbytes,
+                    latency=seen - started,
+                    seen=seen,
+                    # When the peer saw the room end (the event's time, on the same
+                    # clock): seen minus this is the scheduler's delay in learning it.
+                    ended=event.at,
+                    trace=_failure_trace(self._trace, room, ok),
+                )
+            elif isinstance(event, PagesReleased):
+                released = self._fenced.pop(event.rid, None)
+                if released is not None:
+                    self._pages.release(released)
+
+
+async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
+    """Serve the workload as one Decode rank, the scheduler a Trio task beside the
+    peer; returns how many rooms failed (a byte or token mismatch counts as a
+    failure)."""
+    contract, config, settings = _decode_setup(opts)
     await _wait_for_prefill(opts, reporter)
-    pages = PageAllocator(contract, contiguous=not opts.scatter)
-    failed = 0
     # Every room comes from the one Prefill instance at opts.bootstrap: its failures
     # are logged once for it, with their count, not once per room.
     failures = SessionFailures(lambda room: opts.bootstrap, [opts.bootstrap])
@@ -485,89 +602,118 @@ async def run_decode_rank(opts: RoleOptions, reporter: Reporter) -> int:
                 config, engine, arena, settings=settings, agreement=agreement, metrics=metrics
             ) as peer,
         ):
-            reporter.emit(
-                "ready",
-                status=f"tcp://{opts.host}:{peer.status_port}",
-                session=engine.session_id,
-                arena_base=arena.base,
-                pid=os.getpid(),
-                metrics=metrics_url,
-            )
-            reporter.announce(
-                f"status socket tcp://{opts.host}:{peer.status_port}, Mooncake session "
-                f"{engine.session_id}, arena at {arena.base:#x}, Prefill bootstrap {opts.bootstrap}"
-                + (f", metrics {metrics_url}" if metrics_url else "")
-            )
+            _decode_ready(reporter, opts, peer, engine, arena, metrics_url)
+            scheduler = _DecodeScheduler(opts, reporter, contract, arena, failures, peer.trace)
             cpu0, wall0 = time.process_time(), time.monotonic()
-            pending = deque(workload.rooms)
-            live: dict[str, tuple[int, float]] = {}
-            held: dict[str, tuple[dict[str, list[int]], BlockManifest]] = {}
-            #: Failed rooms whose pages a Prefill rank may still write: reused only
-            #: after PagesReleased (docs/architecture.md#write-fencing).
-            fenced: dict[str, dict[str, list[int]]] = {}
+
+            def register(rid: str, room: int) -> None:
+                peer.register_request(rid, room, opts.bootstrap)
+
             last_poll = trio.current_time()
-            while pending or live:
-                while pending and len(live) < opts.in_flight:
-                    room = pending.popleft()
-                    live[workload.rid(room)] = (room, time.monotonic())
-                    peer.register_request(workload.rid(room), room, opts.bootstrap)
-                await _pace(last_poll, len(live), opts.tp)
+            while scheduler.busy:
+                scheduler.launch(register)
+                await _pace(last_poll, len(scheduler.live), opts.tp)
                 last_poll = trio.current_time()
                 events = await peer.poll()
-                for event in events:
-                    if isinstance(event, Bootstrapped):
-                        if opts.never_preallocate:
-                            continue
-                        room = live[event.rid][0]
-                        prompt = workload.prompt_len(room, contract)
-                        row = pages.allocate(prompt)
-                        manifest = build_manifest(contract, row, 0, prompt)
-                        clear_room(arena, contract, manifest)
-                        held[event.rid] = (row, manifest)
-                        peer.send_preallocation(room, manifest)
-                        reporter.emit("preallocated", room=room)
-                    elif isinstance(event, RemotePrefillDone | Failed):
-                        seen = time.monotonic()
-                        room, started = live.pop(event.rid)
-                        row_manifest = held.pop(event.rid, None)
-                        ok, reason, nbytes = _finish(
-                            event, room, row_manifest, arena, contract, opts
-                        )
-                        if row_manifest is not None:
-                            if isinstance(event, Failed) and event.pages_held:
-                                fenced[event.rid] = row_manifest[0]
-                            else:
-                                pages.release(row_manifest[0])
-                        if not ok:
-                            failed += 1
-                            failures.add(room, reason or "no reason given")
-                        reporter.emit(
-                            "room",
-                            room=room,
-                            ok=ok,
-                            reason=reason,
-                            bytes=nbytes,
-                            latency=seen - started,
-                            seen=seen,
-                            trace=_failure_trace(peer, room, ok),
-                        )
-                    elif isinstance(event, PagesReleased):
-                        released = fenced.pop(event.rid, None)
-                        if released is not None:
-                            pages.release(released)
+                scheduler.handle(events, peer.send_preallocation)
                 if not events:
                     with trio.move_on_after(_IDLE_MAX):
                         await peer.wait_for_activity()
-            failures.log_summary(log, len(workload.rooms))
-            reporter.emit(
-                "done",
-                cpu=time.process_time() - cpu0,
-                wall=time.monotonic() - wall0,
-                failed=failed,
-                failed_sessions=failures.as_dict(),
-                stats=peer.statistics(),
-            )
-    return failed
+            _decode_done(reporter, opts, failures, scheduler, cpu0, wall0, peer.statistics())
+    return scheduler.failed
+
+
+def run_decode_rank_in_thread(opts: RoleOptions, reporter: Reporter) -> int:
+    """:func:`run_decode_rank` with the scheduler a loop in this plain thread, as
+    TokenSpeed's, SGLang's and vLLM's are: the peer runs in a background Trio thread
+    (:func:`~tspd.hosts.threads.open_trio_thread`) and the loop reaches it only
+    through :class:`~tspd.hosts.threads.ThreadedDecode` -- posted calls, and
+    ``poll(wait=...)``, which sleeps until the peer concluded events and takes them
+    without a crossing (docs/architecture.md#threads)."""
+    from tspd.hosts.threads import ThreadedDecode, open_trio_thread
+
+    contract, config, settings = _decode_setup(opts)
+    failures = SessionFailures(lambda room: opts.bootstrap, [opts.bootstrap])
+    with (
+        HostArena.for_contract(contract) as arena,
+        failures.collapse(component_logger("decode")),
+        open_trio_thread(name="tspd-decode") as host,
+    ):
+        host.call(_wait_for_prefill, opts, reporter)
+        engine = host.enter(_engine(opts.host), name="Mooncake engine")
+        metrics, metrics_url = host.enter(_metrics(opts), name="metrics")
+        agreement = host.enter(_agreement(opts), name="replica agreement")
+        peer = host.enter(
+            open_decode_peer(
+                config, engine, arena, settings=settings, agreement=agreement, metrics=metrics
+            ),
+            name="Decode peer",
+        )
+        decode = ThreadedDecode(host, peer)
+        host.call_sync(_decode_ready, reporter, opts, peer, engine, arena, metrics_url)
+        scheduler = _DecodeScheduler(opts, reporter, contract, arena, failures, decode.trace)
+        # Posted calls' futures, oldest first: they finish in order; a call that
+        # raised ends the rank as it would in the Trio scheduler.
+        calls: deque[concurrent.futures.Future[None]] = deque()
+
+        def register(rid: str, room: int) -> None:
+            calls.append(decode.register_request(rid, room, opts.bootstrap))
+
+        def preallocate(room: int, manifest: BlockManifest) -> None:
+            calls.append(decode.send_preallocation(room, manifest))
+
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        while scheduler.busy:
+            launched = scheduler.launch(register)
+            events = decode.poll(wait=0.0 if launched else _IDLE_MAX)
+            scheduler.handle(events, preallocate)
+            while calls and calls[0].done():
+                calls.popleft().result()
+        _decode_done(reporter, opts, failures, scheduler, cpu0, wall0, decode.statistics())
+    return scheduler.failed
+
+
+def _decode_ready(
+    reporter: Reporter,
+    opts: RoleOptions,
+    peer: DecodePeer,
+    engine: EngineRunner,
+    arena: HostArena,
+    metrics_url: str | None,
+) -> None:
+    reporter.emit(
+        "ready",
+        status=f"tcp://{opts.host}:{peer.status_port}",
+        session=engine.session_id,
+        arena_base=arena.base,
+        pid=os.getpid(),
+        metrics=metrics_url,
+    )
+    reporter.announce(
+        f"status socket tcp://{opts.host}:{peer.status_port}, Mooncake session "
+        f"{engine.session_id}, arena at {arena.base:#x}, Prefill bootstrap {opts.bootstrap}"
+        + (f", metrics {metrics_url}" if metrics_url else "")
+    )
+
+
+def _decode_done(
+    reporter: Reporter,
+    opts: RoleOptions,
+    failures: SessionFailures,
+    scheduler: _DecodeScheduler,
+    cpu0: float,
+    wall0: float,
+    stats: dict[str, Any],
+) -> None:
+    failures.log_summary(log, len(opts.workload.rooms))
+    reporter.emit(
+        "done",
+        cpu=time.process_time() - cpu0,
+        wall=time.monotonic() - wall0,
+        failed=scheduler.failed,
+        failed_sessions=failures.as_dict(),
+        stats=stats,
+    )
 
 
 def _finish(
