@@ -191,6 +191,8 @@ class RankPeer(ABC, Generic[CmdT]):
         #: Trio thread, oldest first, not yet taken by a poll.
         self._ready: deque[list[Event]] = deque()
         self._eager = False
+        #: Input arrived since the last eager conclusion; the event wakes its task.
+        self._due = False
         self._conclude_due = trio.Event()
 
     # -- command execution -------------------------------------------------------
@@ -202,7 +204,8 @@ class RankPeer(ABC, Generic[CmdT]):
         lookup, a timer)."""
         if activity:
             if self._eager:
-                self._conclude_due.set()  # the conclusion task wakes the waiters
+                self._due = True  # a conclusion, then the waiters' wake, follows
+                self._conclude_due.set()
             else:
                 self._signal_activity()
         self._execute_queued()
@@ -255,18 +258,26 @@ class RankPeer(ABC, Generic[CmdT]):
         while True:
             await self._conclude_due.wait()
             self._conclude_due = trio.Event()
-            if not self._eager:
-                self._signal_activity()
-                continue
-            try:
-                events = self._conclude(list(self.core.poll_values(trio.current_time())))
-            except Exception:
-                self.observer.internal_error("an eager poll")
-                self._signal_activity()
-                continue
-            if events:
-                self._ready.append(events)
-                self._signal_activity()
+            self._conclude_if_due()
+
+    def _conclude_if_due(self) -> None:
+        """The eager conclusion, if input arrived since the last one (the receive
+        task runs it at once after a batch; the conclusion task after the rest)."""
+        if not self._due:
+            return
+        self._due = False
+        if not self._eager:  # turned off meanwhile: the next poll concludes
+            self._signal_activity()
+            return
+        try:
+            events = self._conclude(list(self.core.poll_values(trio.current_time())))
+        except Exception:
+            self.observer.internal_error("an eager poll")
+            self._signal_activity()
+            return
+        if events:
+            self._ready.append(events)
+            self._signal_activity()
 
     # -- scheduler-side API -------------------------------------------------------
 
@@ -409,6 +420,7 @@ class RankPeer(ABC, Generic[CmdT]):
                 except Exception:
                     self.observer.internal_error(self._received)
             self._pump(activity=True)
+            self._conclude_if_due()
 
     async def _receive_secure(self, sock: TrioSocket, batch: int) -> None:
         """The receive loop of secure mode: each message with its CURVE identity."""
@@ -422,6 +434,7 @@ class RankPeer(ABC, Generic[CmdT]):
                 except Exception:
                     self.observer.internal_error(self._received)
             self._pump(activity=True)
+            self._conclude_if_due()
 
 
 # ---------------------------------------------------------------------------- setup
