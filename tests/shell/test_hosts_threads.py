@@ -576,6 +576,15 @@ def test_a_wake_carries_its_events_and_poll_takes_them_without_a_crossing(
         assert [type(e) for e in events][:1] == [RemotePrefillDone], events
         assert decode.poll() == []
 
+        async def woken() -> bool:
+            with trio.move_on_after(0.2):
+                await decode.peer.wait_for_activity()
+                return True
+            return False
+
+        # A Trio-side waiter is not woken by wakes whose events a poll took already.
+        assert host.call(woken) is False
+
 
 def test_a_burst_of_posts_wakes_the_trio_thread_once_and_keeps_its_order() -> None:
     """Posts queued while the Trio thread is busy run in one drain, in order, and

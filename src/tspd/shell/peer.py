@@ -194,6 +194,10 @@ class RankPeer(ABC, Generic[CmdT]):
         #: Input arrived since the last eager conclusion; the event wakes its task.
         self._due = False
         self._conclude_due = trio.Event()
+        #: Wakes signalled, and how many of them had been signalled when a poll last
+        #: took the kept events: a wake whose events were taken is not waited for.
+        self._signalled = 0
+        self._taken = 0
 
     # -- command execution -------------------------------------------------------
 
@@ -213,6 +217,7 @@ class RankPeer(ABC, Generic[CmdT]):
         self._timer.poke()
 
     def _signal_activity(self) -> None:
+        self._signalled += 1
         self._activity.set()
         if self.on_activity is not None:
             self.on_activity()
@@ -340,11 +345,13 @@ class RankPeer(ABC, Generic[CmdT]):
         ready = self._ready
         if not ready:
             return []
+        signalled = self._signalled  # read first: every wake up to it appended already
         events: list[Event] = []
         while True:
             try:
                 events += ready.popleft()
             except IndexError:
+                self._taken = signalled
                 return events
 
     def _conclude(self, agreed: list[int]) -> list[Event]:
@@ -364,7 +371,10 @@ class RankPeer(ABC, Generic[CmdT]):
         scheduler loop can sleep between polls instead of spinning. Bound the wait
         (``trio.move_on_after``): polls also see time passing. With eager
         conclusion (:meth:`conclude_eagerly`) it returns once a conclusion brought
-        events, which the next poll returns."""
+        events, which the next poll returns; a wake whose events a poll took
+        already is not waited for."""
+        if self._eager and self._taken == self._signalled and self._activity.is_set():
+            self._activity = trio.Event()
         await self._activity.wait()
         self._activity = trio.Event()
 
