@@ -14,7 +14,9 @@ their cores. It owns the parts of a running peer that do not depend on the side:
   observer and the timer re-reads the core's deadline;
 * **activity**: input from outside the scheduler (a message, a transfer outcome, a
   lookup, a timer) wakes :meth:`RankPeer.wait_for_activity` and
-  :attr:`RankPeer.on_activity`;
+  :attr:`RankPeer.on_activity`; with eager conclusion (a group of one driven
+  from a plain thread, :meth:`RankPeer.conclude_eagerly`) the peer concludes a
+  poll after such input first and wakes them only when that brought events;
 * the **timer** (:class:`~tspd.shell.timer.DeadlineTimer`) and the **push pool**
   (:class:`~tspd.shell.pushes.PushPool`) tasks;
 * the **receive task** (:meth:`RankPeer._receive`): the only owner of the side's
@@ -256,7 +258,8 @@ class RankPeer(ABC, Generic[CmdT]):
     async def _conclude_when_due(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """The eager conclusion task: once per burst of activity (every input that
+        """The eager conclusion task: once per burst of input that the receive task
+        did not conclude already (transfer outcomes, lookups, timers: whatever
         arrived before it runs), conclude a poll and keep its events for the next
         :meth:`poll`; then wake the waiters, only when that brought events."""
         task_status.started()
