@@ -26,12 +26,12 @@ def test_bench_pd_quick_reports_every_figure_with_its_limit() -> None:
         assert value["raw"]
     assert "rooms/s, 1 × 4 KiB page, 64 in flight" in figures
     assert figures["64 MiB room, 16,384 × 4 KiB pages, contiguous"]["tspd"].endswith("GB/s")
-    # The Decode scheduler as a plain thread, beside a bare thread wake-up; readers
+    # The schedulers as plain threads, beside a bare thread wake-up; readers
     # of --json find the plain hand-over row as the one row starting "hand-over".
     assert [name for name in figures if name.startswith("hand-over")] == [
         "hand-over → Decode done, 1 in flight, p50 / p99"
     ]
-    assert "thread scheduler: hand-over → Decode done, 1 in flight, p50 / p99" in figures
+    assert "thread schedulers: hand-over → Decode done, 1 in flight, p50 / p99" in figures
     lag = figures["room ended → Decode scheduler has it, p50 / p99: Trio task; plain thread"]
     assert lag["tspd"].count("µs") + lag["tspd"].count("ms") == 4, lag
     assert lag["raw"].startswith("bare thread wake-up p50 "), lag

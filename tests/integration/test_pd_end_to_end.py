@@ -70,20 +70,21 @@ _THREAD = ("--driver", "thread")
 
 
 @pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp", "layerwise", "heads", "decode_args"),
+    ("prefill_tp", "decode_tp", "layerwise", "heads", "driver_args"),
     [
         pytest.param(2, 1, False, 4, (), id="full-tp2-to-tp1"),
         pytest.param(1, 2, True, 4, (), id="layerwise-tp1-to-tp2"),
         pytest.param(4, 1, False, 2, (), id="full-tp4-to-tp1-dummy-ranks"),
         pytest.param(2, 2, True, 4, (), id="layerwise-tp2-equal"),
-        # The Decode scheduler a plain thread (tspd.hosts.threads): a group of one
-        # concludes eagerly, a TP group polls together through the facade.
-        pytest.param(2, 1, False, 4, _THREAD, id="full-tp2-to-tp1-thread-scheduler"),
+        # Every scheduler a plain thread (tspd.hosts.threads): a group of one
+        # concludes eagerly, a TP group polls together through the facade; the
+        # layerwise forward arms and hands over through the Prefill's outbox.
+        pytest.param(2, 1, False, 4, _THREAD, id="full-tp2-to-tp1-thread-schedulers"),
         pytest.param(1, 2, True, 4, _THREAD, id="layerwise-tp1-to-tp2-thread-schedulers"),
     ],
 )
 async def test_demo_moves_verified_bytes(
-    prefill_tp: int, decode_tp: int, layerwise: bool, heads: int, decode_args: tuple[str, ...]
+    prefill_tp: int, decode_tp: int, layerwise: bool, heads: int, driver_args: tuple[str, ...]
 ) -> None:
     options = DemoOptions(
         workload=_workload(range(5000, 5024), global_heads=heads, candidates=2),
@@ -93,7 +94,8 @@ async def test_demo_moves_verified_bytes(
         layerwise=layerwise,
         scatter=layerwise,
         timeout=120,
-        decode_args=decode_args,
+        prefill_args=driver_args,
+        decode_args=driver_args,
     )
     summary = await run_demo(options)
     assert summary.errors == []

@@ -10,11 +10,11 @@ same run, straight through Mooncake and pyzmq with no tspd code in between:
   Mooncake write and a bare ZMQ round trip;
 * **hand-over → Decode completion** p50/p99 with one room in flight (the Prefill's
   hand-over call to the Decode scheduler's completion event); beside it, the same
-  bare write and round trip. It runs twice: with the Decode scheduler a Trio task
-  beside the peer, and a plain thread reaching the peer through
-  :mod:`tspd.hosts.threads` (``tspd demo decode --driver thread``), as
+  bare write and round trip. It runs twice: with each rank's scheduler a Trio task
+  beside its peer, and a plain thread reaching its peer through
+  :mod:`tspd.hosts.threads` (``tspd demo prefill|decode --driver thread``), as
   TokenSpeed's, SGLang's and vLLM's schedulers are threads; for both, how long
-  after a room ended on the peer its scheduler saw it, beside a bare thread
+  after a room ended on the Decode peer its scheduler saw it, beside a bare thread
   wake-up (:func:`~tspd.bench.raw.measure_thread_wake`);
 * **effective GB/s for a 64 MiB room** of 16,384 × 4 KiB pages, allocated
   contiguously and scattered (bytes / hand-over → completion); beside them, one
@@ -95,8 +95,8 @@ class PdFigures:
     secure_latency: DemoSummary | None = None
     #: The scattered 64 MiB rooms sent staged between the two tspd peers.
     staged: DemoSummary | None = None
-    #: The hand-over run again with the Decode scheduler in a plain thread
-    #: (``tspd demo decode --driver thread``), and a bare thread wake-up beside it.
+    #: The hand-over run again with both schedulers plain threads
+    #: (``tspd demo prefill|decode --driver thread``), and a bare thread wake-up.
     thread_latency: DemoSummary | None = None
     thread_wake: ThreadWake | None = None
 
@@ -114,7 +114,7 @@ async def _demo(
     scatter: bool = False,
     secure: bool = False,
     staging_mib: int = 0,
-    decode_args: tuple[str, ...] = (),
+    driver_args: tuple[str, ...] = (),
 ) -> DemoSummary:
     summary = await run_demo(
         DemoOptions(
@@ -125,8 +125,8 @@ async def _demo(
             scatter=scatter,
             staging_mib=staging_mib,
             timeout=600,
-            prefill_args=_HOLD,
-            decode_args=(*_HOLD, *decode_args),
+            prefill_args=(*_HOLD, *driver_args),
+            decode_args=(*_HOLD, *driver_args),
             secure=secure,
         )
     )
@@ -174,7 +174,7 @@ async def run_pd_bench(
                     rooms=range(1, 1 + latency_rooms), contract_file=small, fixed_prompt_pages=1
                 ),
                 in_flight=1,
-                decode_args=("--driver", "thread"),
+                driver_args=("--driver", "thread"),
             )
         if secure and not large_only:
             secure_throughput = await _demo(
@@ -310,9 +310,9 @@ def _small_rows(f: PdFigures) -> list[tuple[str, str, str]]:
 
 
 def _thread_rows(f: PdFigures, write: str) -> list[tuple[str, str, str]]:
-    """The Decode scheduler as a plain thread (tspd.hosts.threads) beside a Trio
-    task: its hand-over latency, and how long after a room ended on the peer each
-    scheduler saw it, beside a bare thread wake-up. The names start with neither
+    """The schedulers as plain threads (tspd.hosts.threads) beside Trio tasks: the
+    hand-over latency, and how long after a room ended on the Decode peer each kind
+    of scheduler saw it, beside a bare thread wake-up. The names start with neither
     "hand-over" nor "rooms/s": readers of ``--json`` find those rows by that."""
     t, latency, wake = f.thread_latency, f.latency, f.thread_wake
     if t is None or latency is None or wake is None or f.zmq is None:
@@ -324,7 +324,7 @@ def _thread_rows(f: PdFigures, write: str) -> list[tuple[str, str, str]]:
 
     return [
         (
-            "thread scheduler: hand-over → Decode done, 1 in flight, p50 / p99",
+            "thread schedulers: hand-over → Decode done, 1 in flight, p50 / p99",
             f"{_us(percentile(t.handover_latencies, 0.5))} / "
             f"{_us(percentile(t.handover_latencies, 0.99))}{_ok(t)}",
             f"{write}; ZMQ round trip p50 {_us(f.zmq.p50)} / p99 {_us(f.zmq.p99)}",

@@ -49,6 +49,7 @@ from tspd.demo.roles import (
     run_decode_rank,
     run_decode_rank_in_thread,
     run_prefill_rank,
+    run_prefill_rank_in_thread,
 )
 from tspd.demo.workload import (
     DEFAULT_SPEC_CANDIDATES,
@@ -373,6 +374,7 @@ def _print_summary(options: DemoOptions, summary: DemoSummary) -> None:
 
 def _role_command(role: str) -> click.Command:
     runner = run_prefill_rank if role == "prefill" else run_decode_rank
+    in_thread = run_prefill_rank_in_thread if role == "prefill" else run_decode_rank_in_thread
 
     @click.command(name=role)
     @_workload_options
@@ -462,7 +464,7 @@ def _role_command(role: str) -> click.Command:
         reporter = Reporter(role, rank, hold=hold_reports)
         try:
             if driver == "thread":
-                failed = run_decode_rank_in_thread(options, reporter)
+                failed = in_thread(options, reporter)
             else:
                 failed = trio.run(runner, options, reporter)
         except TspdError as err:
@@ -472,18 +474,17 @@ def _role_command(role: str) -> click.Command:
         sys.exit(1 if failed else 0)
 
     command.help = f"Run one {role.capitalize()} rank of the demo in this process."
-    if role == "decode":
-        click.option(
-            "--driver",
-            type=click.Choice(["trio", "thread"]),
-            default="trio",
-            show_default=True,
-            help=(
-                "Where the scheduler loop runs: a Trio task beside the peer, or a plain "
-                "thread that reaches the peer in a background Trio thread through "
-                "tspd.hosts.threads (as a thread-hosted engine does)."
-            ),
-        )(command)
+    click.option(
+        "--driver",
+        type=click.Choice(["trio", "thread"]),
+        default="trio",
+        show_default=True,
+        help=(
+            "Where the scheduler loop runs: a Trio task beside the peer, or a plain "
+            "thread that reaches the peer in a background Trio thread through "
+            "tspd.hosts.threads (as a thread-hosted engine does)."
+        ),
+    )(command)
     return command
 
 

@@ -14,10 +14,13 @@ inference engine would drive the peer:
   ``Bootstrapped`` allocate and zero pages and pre-allocate them; on
   ``RemotePrefillDone`` verify every byte and the token and candidates against the
   pattern, free the pages and report, with when the room ended on the peer and
-  when the scheduler saw it. The scheduler is a Trio task beside the peer
-  (:func:`run_decode_rank`) or, as in thread-hosted engines, a plain thread that
-  reaches a peer in a background Trio thread through :mod:`tspd.hosts.threads`
-  (:func:`run_decode_rank_in_thread`, ``tspd demo decode --driver thread``).
+  when the scheduler saw it.
+
+Each rank's scheduler is a Trio task beside the peer (:func:`run_prefill_rank`,
+:func:`run_decode_rank`) or, as in thread-hosted engines, a loop in a plain thread
+that reaches a peer in a background Trio thread through :mod:`tspd.hosts.threads`
+(:func:`run_prefill_rank_in_thread`, :func:`run_decode_rank_in_thread`;
+``tspd demo prefill|decode --driver thread``); both share the scheduler's logic.
 
 Progress goes out as JSON lines (:class:`~tspd.demo.report.Reporter`); a failed
 room's line carries the rank's trace of it (:mod:`tspd.core.trace`). With
@@ -91,6 +94,7 @@ __all__ = [
     "run_decode_rank",
     "run_decode_rank_in_thread",
     "run_prefill_rank",
+    "run_prefill_rank_in_thread",
 ]
 
 log = component_logger("demo")
@@ -263,8 +267,11 @@ async def _engine(host: str) -> AsyncIterator[EngineRunner]:
         yield EngineRunner.from_env(mooncake, os.environ)
 
 
-async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
-    """Serve the workload as one Prefill rank; returns how many rooms failed."""
+def _prefill_setup(
+    opts: RoleOptions,
+) -> tuple[CacheContract, ProducerSchedule | None, PrefillConfig, PrefillSettings]:
+    """A Prefill rank's contract, layerwise schedule, core configuration and peer
+    settings."""
     workload = opts.workload
     contract = workload.contract(opts.tp)
     _check_capacity(opts, contract)
@@ -288,9 +295,119 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
         engine_rank=opts.rank,
         security=opts.security,
     )
-    pages = PageAllocator(contract, contiguous=not opts.scatter)
+    return contract, schedule, config, settings
+
+
+class _PrefillScheduler:
+    """The Prefill rank's stand-in scheduler and forward: which requests to
+    register, what to do with each event, and the forward of the requests that
+    bootstrapped (pages, the pattern, hand-over rows). The same for a scheduler that
+    is a Trio task (:func:`run_prefill_rank`) and one that is a plain thread
+    (:func:`run_prefill_rank_in_thread`); only how it calls the peer differs."""
+
+    def __init__(
+        self,
+        opts: RoleOptions,
+        reporter: Reporter,
+        contract: CacheContract,
+        arena: HostArena,
+        trace: Callable[[int], RoomTrace | None],
+    ) -> None:
+        self._opts = opts
+        self._reporter = reporter
+        self._contract = contract
+        self._arena = arena
+        self._trace = trace
+        self._pages = PageAllocator(contract, contiguous=not opts.scatter)
+        self._pending = deque(opts.workload.rooms)
+        #: Registered requests: rid -> room.
+        self.live: dict[str, int] = {}
+        self._tables: dict[str, dict[str, list[int]]] = {}
+        self._sources: dict[str, BlockManifest] = {}
+        self.failed = 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether rooms are left to register or to finish."""
+        return bool(self._pending or self.live)
+
+    def launch(self, register: Callable[[str, int], object]) -> bool:
+        """Register requests (``register(rid, room)``) up to ``in_flight`` live ones;
+        whether any was."""
+        workload, launched = self._opts.workload, False
+        while self._pending and len(self.live) < self._opts.in_flight:
+            room = self._pending.popleft()
+            self.live[workload.rid(room)] = room
+            register(workload.rid(room), room)
+            launched = True
+        return launched
+
+    def handle(self, events: Sequence[Event]) -> list[str]:
+        """One poll's events: report the rooms that ended and free their pages;
+        the requests that bootstrapped, whose forward comes next."""
+        ready: list[str] = []
+        for event in events:
+            if isinstance(event, Bootstrapped):
+                ready.append(event.rid)
+            elif isinstance(event, Succeeded | Failed):
+                room = self.live.pop(event.rid)
+                if event.rid in self._tables:
+                    self._pages.release(self._tables.pop(event.rid))
+                self._sources.pop(event.rid, None)
+                ok = isinstance(event, Succeeded)
+                self.failed += not ok
+                self._reporter.emit(
+                    "room",
+                    room=room,
+                    ok=ok,
+                    reason=None if ok else event.reason,  # type: ignore[union-attr]
+                    trace=_failure_trace(self._trace, room, ok),
+                )
+        return ready
+
+    def allocate(self, rids: Sequence[str]) -> list[ExtendRow]:
+        """The forward's pages for ``rids``, as layerwise extend rows."""
+        contract = self._contract
+        rows = []
+        for rid in rids:
+            prompt = self._opts.workload.prompt_len(self.live[rid], contract)
+            self._tables[rid] = self._pages.allocate(prompt)
+            self._sources[rid] = build_manifest(contract, self._tables[rid], 0, prompt)
+            rows.append(ExtendRow(rid, 0, prompt, self._tables[rid]))
+        return rows
+
+    def fill(self, rid: str, fields: frozenset[str] | None = None) -> None:
+        """Write the pattern into ``rid``'s pages (``fields``: one producer step's)."""
+        opts = self._opts
+        fill_room(
+            self._arena,
+            self._contract,
+            self._sources[rid],
+            seed=opts.workload.seed,
+            room=self.live[rid],
+            tp_size=opts.tp,
+            tp_rank=opts.rank,
+            fields=fields,
+        )
+
+    def hand_over_rows(self, rids: Sequence[str]) -> list[RemoteDecodeRow]:
+        """The hand-over rows of ``rids``, each reported as handed over."""
+        workload, rows = self._opts.workload, []
+        for rid in rids:
+            room = self.live[rid]
+            token, candidates = bootstrap_token_and_candidates(
+                workload.seed, room, workload.candidates
+            )
+            rows.append(RemoteDecodeRow(rid, self._tables[rid], token, candidates))
+            self._reporter.emit("handover", room=room)
+        return rows
+
+
+async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
+    """Serve the workload as one Prefill rank, the scheduler a Trio task beside the
+    peer; returns how many rooms failed."""
+    contract, schedule, config, settings = _prefill_setup(opts)
     counter = StepCounter() if schedule is not None else None
-    failed = 0
     with HostArena.for_contract(contract) as arena:
         async with (
             _engine(opts.host) as engine,
@@ -306,137 +423,159 @@ async def run_prefill_rank(opts: RoleOptions, reporter: Reporter) -> int:
                 metrics=metrics,
             ) as peer,
         ):
-            reporter.emit(
-                "ready",
-                control=f"tcp://{opts.host}:{peer.control_port}",
-                session=engine.session_id,
-                registered=peer.registered_with_bootstrap,
-                pid=os.getpid(),
-                metrics=metrics_url,
-            )
-            reporter.announce(
-                f"control socket tcp://{opts.host}:{peer.control_port}, Mooncake session "
-                f"{engine.session_id}, bootstrap {opts.bootstrap} "
-                f"({'registered' if peer.registered_with_bootstrap else 'NOT registered'})"
-                + (f", metrics {metrics_url}" if metrics_url else "")
-            )
+            _prefill_ready(reporter, opts, peer, engine, metrics_url)
+            scheduler = _PrefillScheduler(opts, reporter, contract, arena, peer.trace)
             cpu0, wall0 = time.process_time(), time.monotonic()
-            pending = deque(workload.rooms)
-            live: dict[str, int] = {}
-            tables: dict[str, dict[str, list[int]]] = {}
             last_poll = trio.current_time()
-            while pending or live:
-                while pending and len(live) < opts.in_flight:
-                    room = pending.popleft()
-                    live[workload.rid(room)] = room
-                    peer.register_request(workload.rid(room), room)
-                await _pace(last_poll, len(live), opts.tp)
+            while scheduler.busy:
+                scheduler.launch(peer.register_request)
+                await _pace(last_poll, len(scheduler.live), opts.tp)
                 last_poll = trio.current_time()
                 events = await peer.poll()
-                ready: list[str] = []
-                for event in events:
-                    if isinstance(event, Bootstrapped):
-                        ready.append(event.rid)
-                    elif isinstance(event, Succeeded | Failed):
-                        room = live.pop(event.rid)
-                        if event.rid in tables:
-                            pages.release(tables.pop(event.rid))
-                        ok = isinstance(event, Succeeded)
-                        failed += not ok
-                        reporter.emit(
-                            "room",
-                            room=room,
-                            ok=ok,
-                            reason=None if ok else event.reason,  # type: ignore[union-attr]
-                            trace=_failure_trace(peer.trace, room, ok),
-                        )
+                ready = scheduler.handle(events)
                 transferring = False
                 if ready:
-                    await _prefill_forward(
-                        peer,
-                        opts,
-                        contract,
-                        schedule,
-                        counter,
-                        pages,
-                        live,
-                        tables,
-                        ready,
-                        reporter,
+                    rows = scheduler.allocate(ready)
+                    if schedule is not None and counter is not None:
+                        peer.arm_layerwise(rows)
+                        for step in schedule.steps:
+                            for rid in ready:
+                                scheduler.fill(rid, step)
+                            counter.advance()
+                            await trio.lowlevel.checkpoint()  # workers send meanwhile
+                    else:
+                        for rid in ready:
+                            scheduler.fill(rid)
+                    try:
+                        peer.hand_over(scheduler.hand_over_rows(ready))
+                    except TspdError as err:
+                        log.error("hand-over refused: %s", err)
+                    transferring = all(
+                        peer.room_state(scheduler.live[rid]) not in _ENDED for rid in ready
                     )
-                    transferring = all(peer.room_state(live[rid]) not in _ENDED for rid in ready)
                 if not events or transferring:
                     # Nothing new, or only hand-overs whose outcome comes back as
                     # activity (the transfer's): polling at once would find nothing
                     # and take the CPU from the writes in flight.
                     with trio.move_on_after(_IDLE_MAX):
                         await peer.wait_for_activity()
-            reporter.emit(
-                "done",
-                cpu=time.process_time() - cpu0,
-                wall=time.monotonic() - wall0,
-                failed=failed,
-                stats=peer.statistics(),
+            _role_done(reporter, scheduler.failed, cpu0, wall0, peer.statistics())
+    return scheduler.failed
+
+
+def run_prefill_rank_in_thread(opts: RoleOptions, reporter: Reporter) -> int:
+    """:func:`run_prefill_rank` with the scheduler and the forward a loop in this
+    plain thread: the peer runs in a background Trio thread and the loop reaches it
+    only through :class:`~tspd.hosts.threads.ThreadedPrefill` -- posted calls, the
+    forward side's outbox, and ``poll(wait=...)`` (docs/architecture.md#threads)."""
+    from tspd.hosts.threads import ThreadedPrefill, open_trio_thread
+
+    contract, schedule, config, settings = _prefill_setup(opts)
+    counter = StepCounter() if schedule is not None else None
+    with (
+        HostArena.for_contract(contract) as arena,
+        open_trio_thread(name="tspd-prefill") as host,
+    ):
+        engine = host.enter(_engine(opts.host), name="Mooncake engine")
+        metrics, metrics_url = host.enter(_metrics(opts), name="metrics")
+        agreement = host.enter(_agreement(opts), name="replica agreement")
+        peer = host.enter(
+            open_prefill_peer(
+                config,
+                engine,
+                arena,
+                settings=settings,
+                agreement=agreement,
+                step_counter=counter,
+                metrics=metrics,
+            ),
+            name="Prefill peer",
+        )
+        prefill = ThreadedPrefill(host, peer)
+        host.call_sync(_prefill_ready, reporter, opts, peer, engine, metrics_url)
+        scheduler = _PrefillScheduler(opts, reporter, contract, arena, prefill.trace)
+        calls: deque[_Call] = deque()
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        while scheduler.busy:
+            launched = scheduler.launch(
+                lambda rid, room: calls.append((prefill.register_request(rid, room), False))
             )
-    return failed
+            ready = scheduler.handle(prefill.poll(wait=0.0 if launched else _IDLE_MAX))
+            if ready:
+                rows = scheduler.allocate(ready)
+                if schedule is not None and counter is not None:
+                    calls.append((prefill.arm_layerwise(rows), False))
+                    for step in schedule.steps:
+                        for rid in ready:
+                            scheduler.fill(rid, step)
+                        counter.advance()
+                else:
+                    for rid in ready:
+                        scheduler.fill(rid)
+                calls.append((prefill.hand_over(scheduler.hand_over_rows(ready)), True))
+            _raise_failed_calls(calls)
+        _role_done(reporter, scheduler.failed, cpu0, wall0, prefill.statistics())
+    return scheduler.failed
 
 
-async def _prefill_forward(
-    peer: PrefillPeer,
-    opts: RoleOptions,
-    contract: CacheContract,
-    schedule: ProducerSchedule | None,
-    counter: StepCounter | None,
-    pages: PageAllocator,
-    live: dict[str, int],
-    tables: dict[str, dict[str, list[int]]],
-    rids: Sequence[str],
+#: A posted call's future, and whether its error is only logged (a refused
+#: hand-over, as the Trio scheduler logs it) rather than ending the rank.
+_Call = tuple[concurrent.futures.Future[Any], bool]
+
+
+def _raise_failed_calls(calls: deque[_Call]) -> None:
+    """Collect the posted calls that finished (they finish in order); raise the
+    first error that ends the rank, as it would in the Trio scheduler."""
+    while calls and calls[0][0].done():
+        future, logged = calls.popleft()
+        error = future.exception()
+        if error is None:
+            continue
+        if logged and isinstance(error, TspdError):
+            log.error("hand-over refused: %s", error)
+        else:
+            raise error
+
+
+def _prefill_ready(
     reporter: Reporter,
+    opts: RoleOptions,
+    peer: PrefillPeer,
+    engine: EngineRunner,
+    metrics_url: str | None,
 ) -> None:
-    """Stand in for the forward of the Bootstrapped requests: fill their pages with the
-    pattern (layer by layer when layerwise) and hand the remote decode over."""
-    workload = opts.workload
-    sources: dict[str, BlockManifest] = {}
-    for rid in rids:
-        prompt = workload.prompt_len(live[rid], contract)
-        tables[rid] = pages.allocate(prompt)
-        sources[rid] = build_manifest(contract, tables[rid], 0, prompt)
+    reporter.emit(
+        "ready",
+        control=f"tcp://{opts.host}:{peer.control_port}",
+        session=engine.session_id,
+        registered=peer.registered_with_bootstrap,
+        pid=os.getpid(),
+        metrics=metrics_url,
+    )
+    reporter.announce(
+        f"control socket tcp://{opts.host}:{peer.control_port}, Mooncake session "
+        f"{engine.session_id}, bootstrap {opts.bootstrap} "
+        f"({'registered' if peer.registered_with_bootstrap else 'NOT registered'})"
+        + (f", metrics {metrics_url}" if metrics_url else "")
+    )
 
-    def fill(rid: str, fields: frozenset[str] | None = None) -> None:
-        fill_room(
-            peer.arena,
-            contract,
-            sources[rid],
-            seed=workload.seed,
-            room=live[rid],
-            tp_size=opts.tp,
-            tp_rank=opts.rank,
-            fields=fields,
-        )
 
-    if schedule is not None and counter is not None:
-        peer.arm_layerwise(
-            [ExtendRow(rid, 0, sources[rid].prompt_len, tables[rid]) for rid in rids]
-        )
-        for step in schedule.steps:
-            for rid in rids:
-                fill(rid, step)
-            counter.advance()
-            await trio.lowlevel.checkpoint()  # let workers send the interval meanwhile
-    else:
-        for rid in rids:
-            fill(rid)
-    rows = []
-    for rid in rids:
-        token, candidates = bootstrap_token_and_candidates(
-            workload.seed, live[rid], workload.candidates
-        )
-        rows.append(RemoteDecodeRow(rid, tables[rid], token, candidates))
-        reporter.emit("handover", room=live[rid])
-    try:
-        peer.hand_over(rows)
-    except TspdError as err:
-        log.error("hand-over refused: %s", err)
+def _role_done(
+    reporter: Reporter,
+    failed: int,
+    cpu0: float,
+    wall0: float,
+    stats: dict[str, Any],
+    **more: Any,
+) -> None:
+    reporter.emit(
+        "done",
+        cpu=time.process_time() - cpu0,
+        wall=time.monotonic() - wall0,
+        failed=failed,
+        stats=stats,
+        **more,
+    )
 
 
 async def _wait_for_prefill(opts: RoleOptions, reporter: Reporter, limit: float = 120.0) -> None:
@@ -654,21 +793,20 @@ def run_decode_rank_in_thread(opts: RoleOptions, reporter: Reporter) -> int:
         scheduler = _DecodeScheduler(opts, reporter, contract, arena, failures, decode.trace)
         # Posted calls' futures, oldest first: they finish in order; a call that
         # raised ends the rank as it would in the Trio scheduler.
-        calls: deque[concurrent.futures.Future[None]] = deque()
+        calls: deque[_Call] = deque()
 
         def register(rid: str, room: int) -> None:
-            calls.append(decode.register_request(rid, room, opts.bootstrap))
+            calls.append((decode.register_request(rid, room, opts.bootstrap), False))
 
         def preallocate(room: int, manifest: BlockManifest) -> None:
-            calls.append(decode.send_preallocation(room, manifest))
+            calls.append((decode.send_preallocation(room, manifest), False))
 
         cpu0, wall0 = time.process_time(), time.monotonic()
         while scheduler.busy:
             launched = scheduler.launch(register)
             events = decode.poll(wait=0.0 if launched else _IDLE_MAX)
             scheduler.handle(events, preallocate)
-            while calls and calls[0].done():
-                calls.popleft().result()
+            _raise_failed_calls(calls)
         _decode_done(reporter, opts, failures, scheduler, cpu0, wall0, decode.statistics())
     return scheduler.failed
 
@@ -706,13 +844,13 @@ def _decode_done(
     stats: dict[str, Any],
 ) -> None:
     failures.log_summary(log, len(opts.workload.rooms))
-    reporter.emit(
-        "done",
-        cpu=time.process_time() - cpu0,
-        wall=time.monotonic() - wall0,
-        failed=scheduler.failed,
+    _role_done(
+        reporter,
+        scheduler.failed,
+        cpu0,
+        wall0,
+        stats,
         failed_sessions=failures.as_dict(),
-        stats=stats,
     )
 
 
