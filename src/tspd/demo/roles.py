@@ -298,12 +298,11 @@ def _prefill_setup(
     return contract, schedule, config, settings
 
 
-class _PrefillScheduler:
-    """The Prefill rank's stand-in scheduler and forward: which requests to
-    register, what to do with each event, and the forward of the requests that
-    bootstrapped (pages, the pattern, hand-over rows). The same for a scheduler that
-    is a Trio task (:func:`run_prefill_rank`) and one that is a plain thread
-    (:func:`run_prefill_rank_in_thread`); only how it calls the peer differs."""
+class _RoleScheduler:
+    """What the Prefill and Decode ranks' stand-in schedulers share: the rooms left
+    to register, at most ``in_flight`` live, the rank's pages and its failed count.
+    Each is the same for a scheduler that is a Trio task and one that is a plain
+    thread; only how it calls the peer differs."""
 
     def __init__(
         self,
@@ -320,10 +319,9 @@ class _PrefillScheduler:
         self._trace = trace
         self._pages = PageAllocator(contract, contiguous=not opts.scatter)
         self._pending = deque(opts.workload.rooms)
-        #: Registered requests: rid -> room.
+        #: Registered requests: rid -> room, and when each was registered.
         self.live: dict[str, int] = {}
-        self._tables: dict[str, dict[str, list[int]]] = {}
-        self._sources: dict[str, BlockManifest] = {}
+        self._registered_at: dict[str, float] = {}
         self.failed = 0
 
     @property
@@ -337,10 +335,35 @@ class _PrefillScheduler:
         workload, launched = self._opts.workload, False
         while self._pending and len(self.live) < self._opts.in_flight:
             room = self._pending.popleft()
-            self.live[workload.rid(room)] = room
-            register(workload.rid(room), room)
+            rid = workload.rid(room)
+            self.live[rid] = room
+            self._registered_at[rid] = time.monotonic()
+            register(rid, room)
             launched = True
         return launched
+
+    def _ended(self, rid: str) -> tuple[int, float]:
+        """Forget an ended request: its room and when it was registered."""
+        return self.live.pop(rid), self._registered_at.pop(rid)
+
+
+class _PrefillScheduler(_RoleScheduler):
+    """The Prefill rank's stand-in scheduler and forward (:func:`run_prefill_rank`,
+    :func:`run_prefill_rank_in_thread`): what to do with each event, and the
+    forward of the requests that bootstrapped (pages, the pattern, hand-over
+    rows)."""
+
+    def __init__(
+        self,
+        opts: RoleOptions,
+        reporter: Reporter,
+        contract: CacheContract,
+        arena: HostArena,
+        trace: Callable[[int], RoomTrace | None],
+    ) -> None:
+        super().__init__(opts, reporter, contract, arena, trace)
+        self._tables: dict[str, dict[str, list[int]]] = {}
+        self._sources: dict[str, BlockManifest] = {}
 
     def handle(self, events: Sequence[Event]) -> list[str]:
         """One poll's events: report the rooms that ended and free their pages;
@@ -350,7 +373,7 @@ class _PrefillScheduler:
             if isinstance(event, Bootstrapped):
                 ready.append(event.rid)
             elif isinstance(event, Succeeded | Failed):
-                room = self.live.pop(event.rid)
+                room, _ = self._ended(event.rid)
                 if event.rid in self._tables:
                     self._pages.release(self._tables.pop(event.rid))
                 self._sources.pop(event.rid, None)
@@ -544,20 +567,24 @@ def _prefill_ready(
     engine: EngineRunner,
     metrics_url: str | None,
 ) -> None:
-    reporter.emit(
-        "ready",
-        control=f"tcp://{opts.host}:{peer.control_port}",
-        session=engine.session_id,
-        registered=peer.registered_with_bootstrap,
-        pid=os.getpid(),
-        metrics=metrics_url,
-    )
-    reporter.announce(
+    registered = peer.registered_with_bootstrap
+    _ready(
+        reporter,
+        metrics_url,
         f"control socket tcp://{opts.host}:{peer.control_port}, Mooncake session "
         f"{engine.session_id}, bootstrap {opts.bootstrap} "
-        f"({'registered' if peer.registered_with_bootstrap else 'NOT registered'})"
-        + (f", metrics {metrics_url}" if metrics_url else "")
+        f"({'registered' if registered else 'NOT registered'})",
+        control=f"tcp://{opts.host}:{peer.control_port}",
+        session=engine.session_id,
+        registered=registered,
     )
+
+
+def _ready(reporter: Reporter, metrics_url: str | None, text: str, **fields: Any) -> None:
+    """A rank's ``ready`` report (``fields``, its pid, its metrics URL) and the same
+    for a person on stderr (``text``)."""
+    reporter.emit("ready", **fields, pid=os.getpid(), metrics=metrics_url)
+    reporter.announce(text + (f", metrics {metrics_url}" if metrics_url else ""))
 
 
 def _role_done(
@@ -623,11 +650,9 @@ def _decode_setup(opts: RoleOptions) -> tuple[CacheContract, DecodeConfig, Decod
     return contract, config, settings
 
 
-class _DecodeScheduler:
-    """The Decode rank's stand-in scheduler: which requests to register, and what to
-    do with each event. The same for a scheduler that is a Trio task
-    (:func:`run_decode_rank`) and one that is a plain thread
-    (:func:`run_decode_rank_in_thread`); only how it calls the peer differs."""
+class _DecodeScheduler(_RoleScheduler):
+    """The Decode rank's stand-in scheduler (:func:`run_decode_rank`,
+    :func:`run_decode_rank_in_thread`): what to do with each event."""
 
     def __init__(
         self,
@@ -638,37 +663,12 @@ class _DecodeScheduler:
         failures: SessionFailures,
         trace: Callable[[int], RoomTrace | None],
     ) -> None:
-        self._opts = opts
-        self._trace = trace
-        self._reporter = reporter
-        self._contract = contract
-        self._arena = arena
+        super().__init__(opts, reporter, contract, arena, trace)
         self._failures = failures
-        self._pages = PageAllocator(contract, contiguous=not opts.scatter)
-        self._pending = deque(opts.workload.rooms)
-        #: Registered requests: rid -> (room, when registered).
-        self.live: dict[str, tuple[int, float]] = {}
         self._held: dict[str, tuple[dict[str, list[int]], BlockManifest]] = {}
         #: Failed rooms whose pages a Prefill rank may still write: reused only
         #: after PagesReleased (docs/architecture.md#write-fencing).
         self._fenced: dict[str, dict[str, list[int]]] = {}
-        self.failed = 0
-
-    @property
-    def busy(self) -> bool:
-        """Whether rooms are left to register or to finish."""
-        return bool(self._pending or self.live)
-
-    def launch(self, register: Callable[[str, int], object]) -> bool:
-        """Register requests (``register(rid, room)``) up to ``in_flight`` live ones;
-        whether any was."""
-        workload, launched = self._opts.workload, False
-        while self._pending and len(self.live) < self._opts.in_flight:
-            room = self._pending.popleft()
-            self.live[workload.rid(room)] = (room, time.monotonic())
-            register(workload.rid(room), room)
-            launched = True
-        return launched
 
     def handle(
         self, events: Sequence[Event], preallocate: Callable[[int, BlockManifest], object]
@@ -680,7 +680,7 @@ class _DecodeScheduler:
             if isinstance(event, Bootstrapped):
                 if opts.never_preallocate:
                     continue
-                room = self.live[event.rid][0]
+                room = self.live[event.rid]
                 prompt = opts.workload.prompt_len(room, contract)
                 row = self._pages.allocate(prompt)
                 manifest = build_manifest(contract, row, 0, prompt)
@@ -690,7 +690,7 @@ class _DecodeScheduler:
                 self._reporter.emit("preallocated", room=room)
             elif isinstance(event, RemotePrefillDone | Failed):
                 seen = time.monotonic()
-                room, started = self.live.pop(event.rid)
+                room, started = self._ended(event.rid)
                 row_manifest = self._held.pop(event.rid, None)
                 ok, reason, nbytes = _finish(event, room, row_manifest, arena, contract, opts)
                 if row_manifest is not None:
@@ -819,18 +819,14 @@ def _decode_ready(
     arena: HostArena,
     metrics_url: str | None,
 ) -> None:
-    reporter.emit(
-        "ready",
+    _ready(
+        reporter,
+        metrics_url,
+        f"status socket tcp://{opts.host}:{peer.status_port}, Mooncake session "
+        f"{engine.session_id}, arena at {arena.base:#x}, Prefill bootstrap {opts.bootstrap}",
         status=f"tcp://{opts.host}:{peer.status_port}",
         session=engine.session_id,
         arena_base=arena.base,
-        pid=os.getpid(),
-        metrics=metrics_url,
-    )
-    reporter.announce(
-        f"status socket tcp://{opts.host}:{peer.status_port}, Mooncake session "
-        f"{engine.session_id}, arena at {arena.base:#x}, Prefill bootstrap {opts.bootstrap}"
-        + (f", metrics {metrics_url}" if metrics_url else "")
     )
 
 
