@@ -141,17 +141,22 @@ async def test_large_rooms_of_thousands_of_pages_move_verified_bytes(scatter: bo
         assert prefill["engine_calls"] >= prefill["descriptors"] / 512
 
 
-async def test_demo_reports_every_room_failed_when_the_bytes_differ() -> None:
+@pytest.mark.parametrize("driver_args", [(), _THREAD], ids=["trio", "thread-schedulers"])
+async def test_demo_reports_every_room_failed_when_the_bytes_differ(
+    driver_args: tuple[str, ...],
+) -> None:
     """A Decode that expects another seed's pattern sees wrong bytes and a wrong
     token in every room: the demo says both, room by room, counts the rooms under
-    the Prefill session they came from, and is not ok."""
+    the Prefill session they came from, and is not ok (whichever kind of thread
+    runs the schedulers)."""
     options = DemoOptions(
         workload=_workload(range(5100, 5106), fixed_prompt_pages=2),
         prefill_tp=1,
         decode_tp=1,
         in_flight=4,
         timeout=60,
-        decode_args=("--seed", str(SEED + 1)),
+        prefill_args=driver_args,
+        decode_args=("--seed", str(SEED + 1), *driver_args),
     )
     summary = await run_demo(options)
     assert summary.errors == []

@@ -586,6 +586,28 @@ def test_a_wake_carries_its_events_and_poll_takes_them_without_a_crossing(
         assert host.call(woken) is False
 
 
+def test_an_eager_group_of_one_still_sees_a_timeout_only_a_poll_notices(pd: LocalPD) -> None:
+    """A bootstrap timeout comes from no input (no Decode ever claims the room): a
+    facade that concludes eagerly still reports it, through the plain call its
+    ``poll`` makes when no events wait."""
+    with open_trio_thread() as host:
+        server = host.enter(pd.bootstrap_server())
+        prefill = ThreadedPrefill(
+            host, host.enter(pd.prefill_peer(server.address, bootstrap_timeout=0.3))
+        )
+        assert prefill.peer.eager
+        prefill.register_request("lonely", 53).result(timeout=5)
+        started = time.monotonic()
+        failed: Failed | None = None
+        while failed is None:
+            assert time.monotonic() - started < 10
+            failed = next((e for e in prefill.poll(wait=0.05) if isinstance(e, Failed)), None)
+        assert failed.room == 53
+        assert "timed out" in failed.reason, failed
+        assert time.monotonic() - started >= 0.3
+        assert not prefill.has_in_flight()
+
+
 def test_a_burst_of_posts_wakes_the_trio_thread_once_and_keeps_its_order() -> None:
     """Posts queued while the Trio thread is busy run in one drain, in order, and
     before a call made after them; posts after the host closed fail at once."""
