@@ -397,6 +397,42 @@ def _first_after(rooms: dict[int, dict[str, Any]], t: float, *, ok: bool) -> flo
     return min(times, default=None)
 
 
+@dataclass
+class _Routed:
+    """A routed run's processes (:func:`_routed_run`)."""
+
+    prefill: Role
+    decode: Role
+    router: Router
+    #: When the router started.
+    started: float
+    #: Roles started during the run, killed with the others on the way out.
+    extra: list[Role] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _routed_run(cluster: Cluster, tmp_path: Path, prefill_log: str) -> Iterator[_Routed]:
+    """The bootstrap server, a Prefill host and a Decode host, ready, with the router
+    sending rooms to both; on the way out the router stops and every process is
+    killed."""
+    server = _start_bootstrap(cluster)
+    prefill = Role(cluster, "pre", "prefill", tmp_path / prefill_log)
+    decode = Role(cluster, "dec", "decode", tmp_path / "decode.log")
+    router = Router(decode, prefill)
+    run: _Routed | None = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        run = _Routed(prefill, decode, router, time.monotonic())
+        router.start()
+        yield run
+    finally:
+        router.stop()
+        for role in (decode, prefill, *(run.extra if run is not None else ())):
+            role.kill()
+        server.kill()
+
+
 def test_a_partition_fails_rooms_with_reasons_and_new_rooms_succeed_after_the_heal(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -408,16 +444,9 @@ def test_a_partition_fails_rooms_with_reasons_and_new_rooms_succeed_after_the_he
       a reason, within the bound their timeouts imply; none is lost.
     * After the heal, with nothing restarted, every room routed once a lookup can no
       longer be pending succeeds on both sides."""
-    server = _start_bootstrap(cluster)
-    prefill = Role(cluster, "pre", "prefill", tmp_path / "prefill.log")
-    decode = Role(cluster, "dec", "decode", tmp_path / "decode.log")
-    router = Router(decode, prefill)
     cut_length = HEARTBEAT_BOUND + 2.0
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        started = time.monotonic()
-        router.start()
+    with _routed_run(cluster, tmp_path, "prefill.log") as run:
+        prefill, decode, started = run.prefill, run.decode, run.started
         time.sleep(3.0)
         cut = time.monotonic()
         cluster.link("dec", up=False)
@@ -425,15 +454,10 @@ def test_a_partition_fails_rooms_with_reasons_and_new_rooms_succeed_after_the_he
         cluster.link("dec", up=True)
         healed = time.monotonic()
         time.sleep(LOOKUP + 10.0)
-        router.stop()
+        run.router.stop()
         stopped = time.monotonic()
         decode.finish(60)
         prefill.finish(60)
-    finally:
-        router.stop()
-        for role in (decode, prefill):
-            role.kill()
-        server.kill()
     d_rooms, p_rooms = decode.rooms(), prefill.rooms()
     d_detect = _first_after(d_rooms, cut, ok=False)
     p_detect = _first_after(p_rooms, cut, ok=False)
@@ -506,17 +530,10 @@ def test_a_partition_from_the_bootstrap_server_fails_only_past_the_heartbeat_bou
       fetch prefill parallel info`` (their Prefill halves with its bootstrap timeout).
     * After the heal new rooms succeed on both sides, nothing restarted; no room is
       lost on either side."""
-    server = _start_bootstrap(cluster)
-    prefill = Role(cluster, "pre", "prefill", tmp_path / "prefill.log")
-    decode = Role(cluster, "dec", "decode", tmp_path / "decode.log")
-    router = Router(decode, prefill)
     # The long cut outlasts the heartbeat bound and then a whole lookup.
     blip_length, cut_length = HEARTBEAT_INTERVAL + 1.5, HEARTBEAT_BOUND + LOOKUP + 2.0
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        started = time.monotonic()
-        router.start()
+    with _routed_run(cluster, tmp_path, "prefill.log") as run:
+        prefill, decode, started = run.prefill, run.decode, run.started
         time.sleep(3.0)
         blip = time.monotonic()
         cluster.partition("dec", "boot", cut=True)
@@ -529,15 +546,10 @@ def test_a_partition_from_the_bootstrap_server_fails_only_past_the_heartbeat_bou
         cluster.partition("dec", "boot", cut=False)
         healed = time.monotonic()
         time.sleep(LOOKUP + 8.0)
-        router.stop()
+        run.router.stop()
         stopped = time.monotonic()
         decode.finish(60)
         prefill.finish(60)
-    finally:
-        router.stop()
-        for role in (decode, prefill):
-            role.kill()
-        server.kill()
     d_rooms, p_rooms = decode.rooms(), prefill.rooms()
     dead = _first_after(d_rooms, cut, ok=False)
     first_ok = _first_after(
@@ -621,17 +633,10 @@ def test_a_prefill_host_that_vanishes_and_comes_back_with_its_address(
       in a row, is fetched again — and registers with it: new rooms succeed on both
       sides without restarting the Decode or the bootstrap server.
     * No room is lost on the Decode or the new Prefill."""
-    server = _start_bootstrap(cluster)
-    prefill = Role(cluster, "pre", "prefill", tmp_path / "prefill-1.log")
-    decode = Role(cluster, "dec", "decode", tmp_path / "decode.log")
-    router = Router(decode, prefill)
     again: Role | None = None
     outage = WAITING_TIMEOUT + 4.0
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        started = time.monotonic()
-        router.start()
+    with _routed_run(cluster, tmp_path, "prefill-1.log") as run:
+        prefill, decode, router, started = run.prefill, run.decode, run.router, run.started
         time.sleep(3.0)
         router.prefill = None  # the router's requests to the Prefill fail from now on
         gone = cluster.remove_host("pre")
@@ -644,6 +649,7 @@ def test_a_prefill_host_that_vanishes_and_comes_back_with_its_address(
         cluster.add_host("pre")
         back = time.monotonic()
         again = Role(cluster, "pre", "prefill", tmp_path / "prefill-2.log")
+        run.extra.append(again)
         ready = again.wait_ready()
         router.prefill = again
         time.sleep(12.0)
@@ -651,12 +657,6 @@ def test_a_prefill_host_that_vanishes_and_comes_back_with_its_address(
         stopped = time.monotonic()
         decode.finish(60)
         again.finish(60)
-    finally:
-        router.stop()
-        for role in (decode, prefill, again):
-            if role is not None:
-                role.kill()
-        server.kill()
     assert again is not None
     d_rooms, p_rooms = decode.rooms(), again.rooms()
     detected = _first_after(d_rooms, gone, ok=False)

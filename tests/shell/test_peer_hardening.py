@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 import zmq
-from pd_helpers import ClosedPorts, DecodeStub, open_fds, wait_until
+from pd_helpers import ClosedPorts, DecodeStub, open_fds, poll_for, wait_until
 
 from tspd.core import wire
 from tspd.core.commands import Bootstrapped, Event, Failed, Succeeded
@@ -69,15 +69,6 @@ async def _prefill(
 
 def _stub(fabric: FakeFabric) -> DecodeStub:
     return DecodeStub(CONTRACT, AsyncFakeEngine(fabric=fabric))
-
-
-async def _event(peer: PrefillPeer, rid: str, limit: float = 10) -> Event:
-    with trio.fail_after(limit):
-        while True:
-            for event in await peer.poll():
-                if event.rid == rid:
-                    return event
-            await trio.sleep(0.002)
 
 
 async def _events(peer: PrefillPeer, *rids: str, limit: float = 10) -> dict[str, Event]:
@@ -144,7 +135,7 @@ async def test_a_route_that_cannot_be_sent_to_fails_only_its_sessions_rooms(
             for rid, room, stub in (("a", 1, lost), ("b", 2, lost), ("c", 3, kept)):
                 peer.register_request(rid, room)
                 await stub.preallocate(room, PROMPT)
-                assert isinstance(await _event(peer, rid), Bootstrapped)
+                assert isinstance(await poll_for(peer, rid), Bootstrapped)
 
             def exhausted(*args: object, **kwargs: object) -> TrioSocket:
                 raise zmq.ZMQError(24)  # EMFILE: "Too many open files"
@@ -161,7 +152,7 @@ async def test_a_route_that_cannot_be_sent_to_fails_only_its_sessions_rooms(
             # The other session's room goes on as if nothing happened.
             tables = PageAllocator(CONTRACT).allocate(PROMPT)
             peer.hand_over([RemoteDecodeRow("c", tables, 9)])
-            assert await _event(peer, "c") == Succeeded("c")
+            assert await poll_for(peer, "c") == Succeeded("c")
             assert (await kept.next_status()).status is TransferPoll.SUCCESS
     finally:
         lost.close()
@@ -225,7 +216,7 @@ async def test_a_replaced_registration_closes_its_old_socket_after_the_notice(
             await wait_until(lambda: peer.core.is_registered(sid))
             peer.register_request("r", 9)
             await stub.preallocate(9, PROMPT)
-            assert isinstance(await _event(peer, "r"), Bootstrapped)
+            assert isinstance(await poll_for(peer, "r"), Bootstrapped)
             await _send(stub, _bad_preallocation(8, sid))  # opens the socket to the stub
             assert (await stub.next_status()).room == 8
             assert peer._pushes.holds("127.0.0.1", stub.port)

@@ -13,11 +13,11 @@ import httpx
 import pytest
 import trio
 import zmq
-from pd_helpers import wait_until
+from pd_helpers import poll_for, wait_until
 
 from tspd.core import wire
 from tspd.core.bootstrap import CURVE_KEY_FIELD, build_route_payload, encode_route_payload
-from tspd.core.commands import Bootstrapped, Event, Failed, RemotePrefillDone, Succeeded
+from tspd.core.commands import Bootstrapped, Failed, RemotePrefillDone, Succeeded
 from tspd.core.contract import CacheContract
 from tspd.core.decode import DecodeConfig
 from tspd.core.interop import bootstrap_token_and_candidates
@@ -68,15 +68,6 @@ def server_security(keys: KeyFiles, **fields: object) -> SecurityConfig:
     return SecurityConfig.from_env(keys.env(server=True), **fields)
 
 
-async def _poll_for(peer: PrefillPeer | DecodePeer, rid: str, limit: float = 10) -> Event:
-    with trio.fail_after(limit):
-        while True:
-            for event in await peer.poll():
-                if event.rid == rid:
-                    return event
-            await trio.sleep(0.002)
-
-
 @asynccontextmanager
 async def _prefill(
     fabric: FakeFabric, bootstrap: str, sec: SecurityConfig | None
@@ -108,12 +99,12 @@ async def _bootstrapped(prefill: PrefillPeer, decode: DecodePeer, rid: str, room
     ready for its hand-over. Returns the Decode's manifest and the Prefill's tables."""
     prefill.register_request(rid, room)
     decode.register_request(rid, room, addr)
-    event = await _poll_for(decode, rid)
+    event = await poll_for(decode, rid)
     assert isinstance(event, Bootstrapped), event
     contract = decode.core.config.contract
     manifest = build_manifest(contract, PageAllocator(contract).allocate(PROMPT), 0, PROMPT)
     decode.send_preallocation(room, manifest)
-    event = await _poll_for(prefill, rid)
+    event = await poll_for(prefill, rid)
     assert isinstance(event, Bootstrapped), event
     pcontract = prefill.core.config.contract
     tables = PageAllocator(pcontract).allocate(PROMPT)
@@ -139,7 +130,7 @@ async def _hand_over_and_finish(
 ) -> None:
     token, candidates = bootstrap_token_and_candidates(SEED, room, 2)
     prefill.hand_over([RemoteDecodeRow(rid, tables, token, candidates)])
-    done = await _poll_for(decode, rid)
+    done = await poll_for(decode, rid)
     assert isinstance(done, RemotePrefillDone), done
     assert (done.bootstrap_token, done.spec_candidate_ids) == (token, candidates)
     contract = decode.core.config.contract
@@ -147,7 +138,7 @@ async def _hand_over_and_finish(
         verify_room(decode.arena, contract, manifest, seed=SEED, room=room, tp_size=1, tp_rank=0)
         == []
     )
-    assert isinstance(await _poll_for(prefill, rid), Succeeded)
+    assert isinstance(await poll_for(prefill, rid), Succeeded)
 
 
 async def test_a_secure_room_completes_over_curve_tls_and_a_token(keys: KeyFiles) -> None:
@@ -312,7 +303,7 @@ async def test_get_routes_need_the_token_when_protected(keys: KeyFiles) -> None:
 
 async def _fails(decode: DecodePeer, addr: str, room: int) -> Failed:
     decode.register_request("x", room, addr)
-    event = await _poll_for(decode, "x")
+    event = await poll_for(decode, "x")
     assert isinstance(event, Failed), event
     return event
 
