@@ -17,6 +17,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from tspd.cli.sim import staging_option
 from tspd.sim import SimConfig, format_faults, parse_faults, parse_shapes, sweep
 
 __all__ = ["SimFigures", "run_sim_benchmark", "sim"]
@@ -77,15 +78,7 @@ def run_sim_benchmark(config: SimConfig, seeds: int, what: str) -> SimFigures:
 @click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--layerwise", is_flag=True, help="Stream KV layerwise (see tspd sim).")
 @click.option("--layerwise-interval", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option(
-    "--staging",
-    type=click.FloatRange(0.0, 1.0),
-    is_flag=False,
-    flag_value=1.0,
-    default=0.0,
-    show_default=True,
-    help="Staged transfers: the share of instances with a staging region (alone: 1, all).",
-)
+@staging_option
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def sim(
     seeds: int,

@@ -26,7 +26,18 @@ import click
 from tspd.core.errors import ConfigError
 from tspd.sim import SimConfig, SimResult, parse_faults, parse_shapes, run, sweep
 
-__all__ = ["sim"]
+__all__ = ["sim", "staging_option"]
+
+#: ``--staging [SHARE]``, shared with ``tspd bench sim``.
+staging_option = click.option(
+    "--staging",
+    type=click.FloatRange(0.0, 1.0),
+    is_flag=False,
+    flag_value=1.0,
+    default=0.0,
+    show_default=True,
+    help="Staged transfers: the share of instances with a staging region (alone: 1, all).",
+)
 
 
 def _config(
@@ -115,15 +126,7 @@ def _show_fencing(result: SimResult, limit: int) -> None:
     show_default=True,
     help="Producer steps per layerwise transfer interval.",
 )
-@click.option(
-    "--staging",
-    type=click.FloatRange(0.0, 1.0),
-    is_flag=False,
-    flag_value=1.0,
-    default=0.0,
-    show_default=True,
-    help="Staged transfers: the share of instances with a staging region (alone: 1, all).",
-)
+@staging_option
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def sim(
