@@ -435,12 +435,7 @@ def _check_room(
         outcome.fail(room, f"{len(mismatches)} blocks differ, first {mismatches[0]}")
         return
     outcome.ok += 1
-    outcome.bytes_verified += sum(
-        f.payload_bytes
-        for group in manifest.groups
-        for f in contract.fields_for_group(group.group_id)
-        for _ in group.block_ids
-    )
+    outcome.bytes_verified += manifest.payload_bytes(contract)
 
 
 # --------------------------------------------------------------------------- peers

@@ -799,12 +799,7 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         if ranges is None:
             # The room's payload bytes bound its merged page ranges from above: a
             # room below the threshold is settled without building the ranges.
-            payload = sum(
-                len(group.block_ids)
-                * sum(f.payload_bytes for f in contract.fields_for_group(group.group_id))
-                for group in manifest.groups
-            )
-            if payload < self.config.staging_min_bytes:
+            if manifest.payload_bytes(contract) < self.config.staging_min_bytes:
                 return None
             starts, ends = room_ranges(contract, manifest)
         else:

@@ -101,6 +101,15 @@ class BlockManifest:
                 return group.block_ids
         raise ContractError(f"Cache block manifest has no group {group_id!r}")
 
+    def payload_bytes(self, contract: CacheContract) -> int:
+        """The KV bytes the manifest's blocks hold under ``contract``: each block's
+        field payloads, without the fields' padding."""
+        return sum(
+            len(group.block_ids)
+            * sum(f.payload_bytes for f in contract.fields_for_group(group.group_id))
+            for group in self.groups
+        )
+
     def to_json(self) -> bytes:
         """The wire form: compact ASCII JSON, keys ``groups, prefix_len, prompt_len``
         and ``state_prefix_cached`` when set."""

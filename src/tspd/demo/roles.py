@@ -894,10 +894,4 @@ def _finish(
             )
     if problems:
         return False, "; ".join(problems), 0
-    nbytes = sum(
-        field.payload_bytes
-        for group in manifest.groups
-        for field in contract.fields_for_group(group.group_id)
-        for _ in group.block_ids
-    )
-    return True, None, nbytes
+    return True, None, manifest.payload_bytes(contract)
