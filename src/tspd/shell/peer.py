@@ -203,20 +203,25 @@ class RankPeer(ABC, Generic[CmdT]):
 
     # -- command execution -------------------------------------------------------
 
-    def _pump(self, *, activity: bool = False) -> None:
+    def _pump(self, *, activity: bool = False, conclude: bool = False) -> None:
         """Execute, in order, every command the core queued, hand the rooms that
         ended to the observer and let the timer re-read the deadline; ``activity``
         marks input from outside the scheduler (a message, a transfer outcome, a
-        lookup, a timer)."""
+        lookup, a timer). With eager conclusion that input is concluded by the
+        conclusion task, or here at the end with ``conclude`` (the receive task,
+        after a message batch)."""
         if activity:
             if self._eager:
                 self._due = True  # a conclusion, then the waiters' wake, follows
-                self._conclude_due.set()
+                if not conclude:
+                    self._conclude_due.set()
             else:
                 self._signal_activity()
         self._execute_queued()
         self.observer.finished(self.core.drain_finished())
         self._timer.poke()
+        if conclude:
+            self._conclude_if_due()
 
     def _signal_activity(self) -> None:
         self._signalled += 1
@@ -270,7 +275,8 @@ class RankPeer(ABC, Generic[CmdT]):
 
     def _conclude_if_due(self) -> None:
         """The eager conclusion, if input arrived since the last one (the receive
-        task runs it at once after a batch; the conclusion task after the rest)."""
+        task's pump runs it at once after a batch; the conclusion task after the
+        rest)."""
         if not self._due:
             return
         self._due = False
@@ -432,8 +438,7 @@ class RankPeer(ABC, Generic[CmdT]):
                     handle(frames, now)
                 except Exception:
                     self.observer.internal_error(self._received)
-            self._pump(activity=True)
-            self._conclude_if_due()
+            self._pump(activity=True, conclude=True)
 
     async def _receive_secure(self, sock: TrioSocket, batch: int) -> None:
         """The receive loop of secure mode: each message with its CURVE identity."""
@@ -446,8 +451,7 @@ class RankPeer(ABC, Generic[CmdT]):
                     handle(frames, now, sender)
                 except Exception:
                     self.observer.internal_error(self._received)
-            self._pump(activity=True)
-            self._conclude_if_due()
+            self._pump(activity=True, conclude=True)
 
 
 # ---------------------------------------------------------------------------- setup
