@@ -488,12 +488,14 @@ def test_poll_with_wait_brings_the_events_of_the_wake_in_one_call(pd: LocalPD) -
         assert isinstance(done, RemotePrefillDone), done
 
 
-def test_a_group_of_one_polls_in_one_plain_crossing_and_a_tp_group_must_agree(
+def test_a_group_of_one_polls_without_crossing_and_a_tp_group_must_agree(
     pd: LocalPD,
 ) -> None:
-    """A facade's ``poll()`` on a one-rank group runs the peer's ``poll_now`` as one
-    plain call in the Trio thread (no task, no agreement round); ``poll_now`` on a
-    TP group refuses, since its ranks must agree with each other."""
+    """A facade's ``poll()`` on a one-rank group never crosses into the Trio thread:
+    a posted call is concluded there (an abort's ``Failed`` arrives with a wake),
+    and a poll returns at once even while the Trio thread is blocked. The peer's
+    ``poll_now`` is not used; on a TP group it refuses, since its ranks must agree
+    with each other."""
 
     class TwoRanks:
         group_size = 2
@@ -519,14 +521,33 @@ def test_a_group_of_one_polls_in_one_plain_crossing_and_a_tp_group_must_agree(
         events: list[Event] = []
         while not any(isinstance(e, Failed) for e in events):
             assert time.monotonic() < deadline
-            events = prefill.poll()
-        assert ran
-        assert set(ran) == {"tspd-trio"}
+            events = prefill.poll(wait=0.2)
+        assert ran == []
+        hold = threading.Event()
+        blocker = host.post(hold.wait, 5.0)
+        try:
+            started = time.monotonic()
+            assert prefill.poll() == []
+            assert time.monotonic() - started < 1.0, "the poll waited for the Trio thread"
+        finally:
+            hold.set()
+            assert blocker.result(timeout=5) is True
         peer.agreement = TwoRanks()  # type: ignore[assignment]
         with pytest.raises(RuntimeError, match="group of one rank; this one has 2"):
             host.call_sync(real)
         with pytest.raises(RuntimeError, match="eager conclusion needs a group of one"):
             host.call_sync(peer.conclude_eagerly)
+
+
+def test_an_eager_poll_on_a_stopped_host_raises(pd: LocalPD) -> None:
+    """With nothing concluded and the host stopped, an eager poll raises instead of
+    returning nothing forever (a scheduler loop would spin on it)."""
+    with open_trio_thread() as host:
+        server = host.enter(pd.bootstrap_server())
+        prefill = ThreadedPrefill(host, host.enter(pd.prefill_peer(server.address)))
+        assert prefill.poll() == []
+    with pytest.raises(BridgeClosed, match="has stopped"):
+        prefill.poll()
 
 
 def test_a_wake_carries_its_events_and_poll_takes_them_without_a_crossing(
@@ -588,8 +609,8 @@ def test_a_wake_carries_its_events_and_poll_takes_them_without_a_crossing(
 
 def test_an_eager_group_of_one_still_sees_a_timeout_only_a_poll_notices(pd: LocalPD) -> None:
     """A bootstrap timeout comes from no input (no Decode ever claims the room): a
-    facade that concludes eagerly still reports it, through the plain call its
-    ``poll`` makes when no events wait."""
+    facade that concludes eagerly still reports it, through the conclusion the Trio
+    thread makes at least every ``EAGER_SWEEP_S`` while requests are in flight."""
     with open_trio_thread() as host:
         server = host.enter(pd.bootstrap_server())
         prefill = ThreadedPrefill(

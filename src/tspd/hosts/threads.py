@@ -17,8 +17,9 @@ side through the peer's :class:`~tspd.shell.prefill.PrefillOutbox`. A facade's
 test fails on any other that is missing. ``poll()`` never waits for a transfer. For a
 group of one rank, the facade turns on the peer's eager conclusion
 (:meth:`~tspd.shell.peer.RankPeer.conclude_eagerly`): the Trio thread concludes
-as input arrives, and ``poll()`` takes those events in the calling thread with no
-crossing (one plain call when none wait). An idle scheduler calls
+as input arrives and after posted calls (and every 50 ms while requests are in
+flight), and ``poll()`` takes those events in the calling thread, never crossing.
+An idle scheduler calls
 ``poll(wait=t)``, which sleeps until a conclusion brought events (at most ``t``
 seconds); ``wait_for_activity(t)`` is the wake alone. A TP group's ``poll()``
 waits for the group's agreement in the Trio thread.
@@ -449,28 +450,28 @@ class ThreadedPeer(Generic[PeerT_co]):
 
     def poll(self, timeout: float = POLL_TIMEOUT, *, wait: float = 0.0) -> list[Event]:
         """One poll round (the peer's ``poll``, docs/protocol.md#proto-prefill-poll and
-        #proto-decode-poll), never waiting for a transfer. Raises ``TimeoutError``
-        after ``timeout`` seconds (plus ``wait``).
+        #proto-decode-poll), never waiting for a transfer. A TP group's round raises
+        ``TimeoutError`` after ``timeout`` seconds (plus ``wait``).
 
         A group of one rank concludes eagerly (docs/architecture.md#threads): the
-        events the Trio thread concluded are taken here without a crossing, and
-        only when none wait does the round make one plain call to the peer's
-        ``poll_now``. With ``wait`` (seconds) and no events waiting, it first sleeps
-        until a conclusion brings some, at most ``wait``. A TP group's round waits
-        for the group's agreement in the Trio thread; with ``wait`` it first waits
-        there for the peer's activity, in the same crossing."""
+        Trio thread concludes after every input and every posted call, and while
+        requests are in flight at least every
+        :data:`~tspd.shell.peer.EAGER_SWEEP_S`, so the round takes those events
+        here and never crosses into the Trio thread. With ``wait`` (seconds) and no
+        events waiting, it first sleeps until a conclusion brings some, at most
+        ``wait``. A poll that finds nothing on a host that stopped raises
+        :class:`~tspd.hosts.bridge.BridgeClosed`. A TP group's round waits for the
+        group's agreement in the Trio thread; with ``wait`` it first waits there for
+        the peer's activity, in the same crossing."""
         if self._eager:
-            # The Trio thread concluded as input arrived: take those events here, with
-            # no crossing; cross only when there are none (one plain call, which
-            # also runs after this thread's posts and sees time passing).
             self._wake.clear()
             events = self.peer.take_ready()
             if not events and wait > 0 and self._wake.wait(wait):
                 self._wake.clear()
                 events = self.peer.take_ready()
-            if events:
-                return events
-            return self._host.post(self.peer.poll_now).result(timeout)
+            if not events and not self._host.running:
+                raise self._host._closed_error("has stopped; nothing more will be concluded")
+            return events
         if wait <= 0:
             return self._host.call(self.peer.poll, timeout=timeout)
         return self._host.call(self._poll_after_activity, wait, timeout=wait + timeout)
@@ -574,7 +575,7 @@ def _outboxed(
 
 _TRANSFER_FEEDBACK = "transfer feedback from the peer's own workers, in the Trio thread"
 _SESSION_ID = "fixed once the peer runs: read ``peer.session_id`` from any thread"
-_POLL_NOW = "poll() runs it in one plain crossing when the peer's group is one rank"
+_POLL_NOW = "for the Trio thread: a group of one concludes eagerly; its poll() never crosses"
 _EAGER = "the facade turns eager conclusion on for a group of one; poll() takes its events"
 
 

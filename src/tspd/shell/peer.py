@@ -55,6 +55,7 @@ from tspd.shell.timer import DeadlineTimer
 from tspd.shell.zmq import MAX_MESSAGE_FRAMES, TrioSocket, bind_free_port, open_socket
 
 __all__ = [
+    "EAGER_SWEEP_S",
     "RECENT_FAILURES",
     "PeerCore",
     "PeerSettings",
@@ -68,6 +69,13 @@ __all__ = [
 
 #: How many recent room failures a peer keeps in ``failures``.
 RECENT_FAILURES: Final = 1024
+
+#: Seconds at most between two eager conclusions while requests are in flight
+#: (:meth:`RankPeer.conclude_eagerly`), input or not: what only time brings -- a
+#: bootstrap timeout, pages held past the quarantine -- reaches the scheduler within
+#: this, without its polls crossing into the Trio thread. The timeouts it serves
+#: are seconds long.
+EAGER_SWEEP_S: Final = 0.05
 
 #: The side's command union.
 CmdT = TypeVar("CmdT", bound=Command)
@@ -203,20 +211,23 @@ class RankPeer(ABC, Generic[CmdT]):
 
     # -- command execution -------------------------------------------------------
 
-    def _pump(self, *, activity: bool = False, conclude: bool = False) -> None:
+    def _pump(
+        self, *, activity: bool = False, conclude: bool = False, concluded: bool = False
+    ) -> None:
         """Execute, in order, every command the core queued, hand the rooms that
         ended to the observer and let the timer re-read the deadline; ``activity``
         marks input from outside the scheduler (a message, a transfer outcome, a
-        lookup, a timer). With eager conclusion that input is concluded by the
-        conclusion task, or here at the end with ``conclude`` (the receive task,
-        after a message batch)."""
-        if activity:
-            if self._eager:
+        lookup, a timer), ``concluded`` a poll's conclusion, and neither a
+        scheduler call. With eager conclusion input and scheduler calls alike are
+        concluded by the conclusion task, or here at the end with ``conclude`` (the
+        receive task, after a message batch)."""
+        if self._eager:
+            if not concluded:
                 self._due = True  # a conclusion, then the waiters' wake, follows
                 if not conclude:
                     self._conclude_due.set()
-            else:
-                self._signal_activity()
+        elif activity:
+            self._signal_activity()
         self._execute_queued()
         self.observer.finished(self.core.drain_finished())
         self._timer.poke()
@@ -263,13 +274,21 @@ class RankPeer(ABC, Generic[CmdT]):
     async def _conclude_when_due(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """The eager conclusion task: once per burst of input that the receive task
-        did not conclude already (transfer outcomes, lookups, timers: whatever
-        arrived before it runs), conclude a poll and keep its events for the next
-        :meth:`poll`; then wake the waiters, only when that brought events."""
+        """The eager conclusion task: once per burst of input or scheduler calls
+        that the receive task did not conclude already (transfer outcomes, lookups,
+        timers, posted calls: whatever arrived before it runs), and at least every
+        :data:`EAGER_SWEEP_S` while requests are in flight, conclude a poll and keep
+        its events for the next :meth:`poll`; then wake the waiters, only when that
+        brought events."""
         task_status.started()
         while True:
-            await self._conclude_due.wait()
+            if self._eager and self.core.has_in_flight():
+                with trio.move_on_after(EAGER_SWEEP_S) as sweep:
+                    await self._conclude_due.wait()
+                if sweep.cancelled_caught:
+                    self._due = True  # time passed: a timeout may have come
+            else:
+                await self._conclude_due.wait()
             self._conclude_due = trio.Event()
             self._conclude_if_due()
 
@@ -314,8 +333,8 @@ class RankPeer(ABC, Generic[CmdT]):
 
     def poll_now(self) -> list[Event]:
         """:meth:`poll` for a rank that agrees with itself alone (a group of one,
-        :class:`~tspd.shell.agreement.SingleRank`), without awaiting: what a thread
-        facade runs in one quick crossing. Raises ``RuntimeError`` for a TP group,
+        :class:`~tspd.shell.agreement.SingleRank`), without awaiting: one plain
+        call from the Trio thread. Raises ``RuntimeError`` for a TP group,
         whose ranks must agree with each other (use :meth:`poll`)."""
         if self.agreement.group_size != 1:
             raise RuntimeError(
@@ -325,20 +344,24 @@ class RankPeer(ABC, Generic[CmdT]):
         return self._take_ready() + self._conclude(list(self.core.poll_values(trio.current_time())))
 
     def conclude_eagerly(self, eager: bool = True) -> None:
-        """Conclude a poll in the Trio thread as soon as input arrives, instead of
-        waiting for the scheduler's next :meth:`poll` (a group of one rank only).
-        The events wait, in order, for the next poll (:meth:`take_ready` takes them
-        from any thread without a crossing), and :meth:`wait_for_activity` and
-        :attr:`on_activity` wake only when such a conclusion brought events. A
-        thread host turns this on, so a scheduler thread's wake-up carries its
-        events with it (docs/architecture.md#threads). Turning it off hands the
-        events still kept to the next poll."""
+        """Conclude a poll in the Trio thread as soon as input arrives or a
+        scheduler call ran, instead of waiting for the scheduler's next
+        :meth:`poll` (a group of one rank only), and at least every
+        :data:`EAGER_SWEEP_S` while requests are in flight, for what only time
+        brings. The events wait, in order, for the next poll (:meth:`take_ready`
+        takes them from any thread without a crossing), and
+        :meth:`wait_for_activity` and :attr:`on_activity` wake only when such a
+        conclusion brought events. A thread host turns this on, so a scheduler
+        thread's wake-up carries its events with it and its polls never cross
+        (docs/architecture.md#threads). Turning it off hands the events still kept
+        to the next poll."""
         if eager and self.agreement.group_size != 1:
             raise RuntimeError(
                 f"eager conclusion needs a group of one rank; this one has "
                 f"{self.agreement.group_size}, whose ranks must poll together"
             )
         self._eager = eager
+        self._conclude_due.set()  # the conclusion task re-reads whether to sweep
 
     @property
     def eager(self) -> bool:
@@ -367,7 +390,7 @@ class RankPeer(ABC, Generic[CmdT]):
         events = self.core.conclude(agreed, trio.current_time())
         self._concluded(events)
         self.observer.events(events)
-        self._pump()
+        self._pump(concluded=True)
         return events
 
     def _concluded(self, events: list[Event]) -> None:
