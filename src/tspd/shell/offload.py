@@ -151,7 +151,7 @@ _WAKE_EARLY_S: Final = 0.002
 #: sleep took 1-2 ms, the tail of a one-page room's hand-over), a thread's sleep
 #: does not.
 _THREAD_FIRST_POLL_S: Final = 0.00005
-_THREAD_MAX_POLL_S: Final = 0.001
+_THREAD_MAX_POLL_S: Final = 0.0005
 
 _FAST_POLLS: Final = 8
 """Zero-length sleeps before a step wait backs off to timed polls."""
