@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Final, Generic, Protocol, TypeVar
 
@@ -76,6 +76,9 @@ RECENT_FAILURES: Final = 1024
 #: this, without its polls crossing into the Trio thread. The timeouts it serves
 #: are seconds long.
 EAGER_SWEEP_S: Final = 0.05
+
+#: Room states a poll concludes a request in (an absent room reads as failed).
+_ENDED: Final = frozenset({RoomState.SUCCESS, RoomState.FAILED, RoomState.ABSENT})
 
 #: The side's command union.
 CmdT = TypeVar("CmdT", bound=Command)
@@ -204,6 +207,8 @@ class RankPeer(ABC, Generic[CmdT]):
         #: Input arrived since the last eager conclusion; the event wakes its task.
         self._due = False
         self._conclude_due = trio.Event()
+        #: The conclusion task concludes every EAGER_SWEEP_S (requests in flight).
+        self._sweeping = False
         #: Wakes signalled, and how many of them had been signalled when a poll last
         #: took the kept events: a wake whose events were taken is not waited for.
         self._signalled = 0
@@ -211,23 +216,24 @@ class RankPeer(ABC, Generic[CmdT]):
 
     # -- command execution -------------------------------------------------------
 
-    def _pump(
-        self, *, activity: bool = False, conclude: bool = False, concluded: bool = False
-    ) -> None:
+    def _pump(self, *, activity: bool = False, conclude: bool = False, due: bool = False) -> None:
         """Execute, in order, every command the core queued, hand the rooms that
         ended to the observer and let the timer re-read the deadline; ``activity``
         marks input from outside the scheduler (a message, a transfer outcome, a
-        lookup, a timer), ``concluded`` a poll's conclusion, and neither a
-        scheduler call. With eager conclusion input and scheduler calls alike are
-        concluded by the conclusion task, or here at the end with ``conclude`` (the
-        receive task, after a message batch)."""
-        if self._eager:
-            if not concluded:
+        lookup, a timer), ``due`` a scheduler call after which a poll would have
+        events (a request registered for a room already past bootstrapping, a room
+        the call ended). With eager conclusion either is concluded by the
+        conclusion task, or here at the end with ``conclude`` (the receive task,
+        after a message batch)."""
+        if activity or due:
+            if self._eager:
                 self._due = True  # a conclusion, then the waiters' wake, follows
                 if not conclude:
                     self._conclude_due.set()
-        elif activity:
-            self._signal_activity()
+            elif activity:
+                self._signal_activity()
+        elif self._eager and not self._sweeping:
+            self._conclude_due.set()  # the conclusion task starts sweeping if need be
         self._execute_queued()
         self.observer.finished(self.core.drain_finished())
         self._timer.poke()
@@ -282,7 +288,8 @@ class RankPeer(ABC, Generic[CmdT]):
         brought events."""
         task_status.started()
         while True:
-            if self._eager and self.core.has_in_flight():
+            self._sweeping = self._eager and self.core.has_in_flight()
+            if self._sweeping:
                 with trio.move_on_after(EAGER_SWEEP_S) as sweep:
                     await self._conclude_due.wait()
                 if sweep.cancelled_caught:
@@ -291,6 +298,18 @@ class RankPeer(ABC, Generic[CmdT]):
                 await self._conclude_due.wait()
             self._conclude_due = trio.Event()
             self._conclude_if_due()
+
+    def _registered_settled(self, room: int) -> bool:
+        """After a scheduler registered a request for ``room``: whether a poll would
+        have its event already (the room is past bootstrapping, or has no entry,
+        which a poll reads as a failure)."""
+        return self.core.room_state(room) is not RoomState.BOOTSTRAPPING
+
+    def _ended(self, rooms: Iterable[int]) -> bool:
+        """After a scheduler call on ``rooms``: whether one of them ended (or has no
+        entry), so a poll would have its event."""
+        state = self.core.room_state
+        return any(state(room) in _ENDED for room in rooms)
 
     def _conclude_if_due(self) -> None:
         """The eager conclusion, if input arrived since the last one (the receive
@@ -390,7 +409,7 @@ class RankPeer(ABC, Generic[CmdT]):
         events = self.core.conclude(agreed, trio.current_time())
         self._concluded(events)
         self.observer.events(events)
-        self._pump(concluded=True)
+        self._pump()
         return events
 
     def _concluded(self, events: list[Event]) -> None:

@@ -270,7 +270,7 @@ class PrefillPeer(RankPeer[PrefillCommand]):
         same requests in the same order."""
         self.core.register_request(rid, room, trio.current_time())
         self._rooms_by_rid[rid] = room
-        self._pump()
+        self._pump(due=self._registered_settled(room))
 
     def _concluded(self, events: list[Event]) -> None:
         for event in events:
@@ -281,7 +281,7 @@ class PrefillPeer(RankPeer[PrefillCommand]):
         """Fail ``room`` with ``reason``, notifying every destination
         (docs/protocol.md#proto-failure-epd-abort)."""
         self.core.abort(room, reason, trio.current_time())
-        self._pump()
+        self._pump(due=True)
 
     def record_usage(self, room: int, cached_tokens: int, logprob: float | None = None) -> None:
         """Record the request's prefix-cache hit and bootstrap-token logprob for its
@@ -309,12 +309,14 @@ class PrefillPeer(RankPeer[PrefillCommand]):
         for a caller error (a negative token, a room still waiting for its
         pre-allocations); the other rows are still handed over."""
         errors: list[TspdError] = []
+        handed: list[int] = []
         now = trio.current_time()
         try:
             for row in rows:
                 room = self._rooms_by_rid.get(row.rid)
                 if room is None:
                     continue
+                handed.append(room)
                 try:
                     self.core.hand_over(
                         room, row.tables, row.bootstrap_token, row.spec_candidate_ids, now
@@ -322,7 +324,8 @@ class PrefillPeer(RankPeer[PrefillCommand]):
                 except TspdError as err:
                     errors.append(err)
         finally:
-            self._pump()
+            # A room ends here only when it had nothing to send or could not be planned.
+            self._pump(due=self._ended(handed))
         if errors:
             raise errors[0]
 
@@ -333,7 +336,7 @@ class PrefillPeer(RankPeer[PrefillCommand]):
         try:
             return self.core.arm_layerwise(rows, trio.current_time())
         finally:
-            self._pump()
+            self._pump(due=True)
 
     @property
     def outbox(self) -> PrefillOutbox:
