@@ -550,6 +550,41 @@ def test_an_eager_poll_on_a_stopped_host_raises(pd: LocalPD) -> None:
         prefill.poll()
 
 
+def test_scheduler_calls_that_leave_events_are_concluded_without_the_sweep(
+    pd: LocalPD,
+) -> None:
+    """With the sweep out of the way, a posted call that leaves events for a poll
+    is concluded at once and wakes the scheduler thread: a Decode registration at an
+    address whose route is known (``Bootstrapped`` at once) and a Prefill abort."""
+    with open_trio_thread() as host:
+        server = host.enter(pd.bootstrap_server())
+        prefill = ThreadedPrefill(host, host.enter(pd.prefill_peer(server.address)))
+        decode = ThreadedDecode(host, host.enter(pd.decode_peer()))
+        decode.register_request("first", 3300, server.address)
+        deadline = time.monotonic() + 10
+        events: list[Event] = []
+        while not events:  # the lookups' answers are input: concluded as they come
+            assert time.monotonic() < deadline
+            events = decode.poll(wait=0.2)
+        assert [type(e) for e in events] == [Bootstrapped]
+
+        def no_sweep() -> None:
+            decode.peer.eager_sweep = prefill.peer.eager_sweep = 3600.0
+            decode.peer._conclude_due.set()  # the task re-reads the interval
+            prefill.peer._conclude_due.set()
+
+        host.call_sync(no_sweep)
+        decode.register_request("second", 3301, server.address).result(timeout=5)
+        # Bounds far above the conclusion's milliseconds, and below the Decode's 5 s
+        # heartbeat, the only other input either peer would get.
+        assert decode.wait_for_activity(2.0) is True
+        assert [(type(e), e.room) for e in decode.poll()] == [(Bootstrapped, 3301)]
+        prefill.register_request("third", 3302).result(timeout=5)
+        prefill.abort(3302, "the test ends the request").result(timeout=5)
+        assert prefill.wait_for_activity(2.0) is True
+        assert [(type(e), e.room) for e in prefill.poll()] == [(Failed, 3302)]
+
+
 def test_a_wake_carries_its_events_and_poll_takes_them_without_a_crossing(
     pd: LocalPD,
 ) -> None:

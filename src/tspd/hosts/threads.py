@@ -17,8 +17,9 @@ side through the peer's :class:`~tspd.shell.prefill.PrefillOutbox`. A facade's
 test fails on any other that is missing. ``poll()`` never waits for a transfer. For a
 group of one rank, the facade turns on the peer's eager conclusion
 (:meth:`~tspd.shell.peer.RankPeer.conclude_eagerly`): the Trio thread concludes
-as input arrives and after posted calls (and every 50 ms while requests are in
-flight), and ``poll()`` takes those events in the calling thread, never crossing.
+as input arrives and after posted calls that leave events (and every 50 ms
+while requests are in flight), and ``poll()`` takes those events in the calling
+thread, never crossing.
 An idle scheduler calls
 ``poll(wait=t)``, which sleeps until a conclusion brought events (at most ``t``
 seconds); ``wait_for_activity(t)`` is the wake alone. A TP group's ``poll()``
@@ -454,7 +455,8 @@ class ThreadedPeer(Generic[PeerT_co]):
         ``TimeoutError`` after ``timeout`` seconds (plus ``wait``).
 
         A group of one rank concludes eagerly (docs/architecture.md#threads): the
-        Trio thread concludes after every input and every posted call, and while
+        Trio thread concludes after every input and every posted call that leaves
+        events (a registration for a room past bootstrapping, an abort), and while
         requests are in flight at least every
         :data:`~tspd.shell.peer.EAGER_SWEEP_S`, so the round takes those events
         here and never crosses into the Trio thread. With ``wait`` (seconds) and no

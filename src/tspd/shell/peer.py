@@ -207,7 +207,9 @@ class RankPeer(ABC, Generic[CmdT]):
         #: Input arrived since the last eager conclusion; the event wakes its task.
         self._due = False
         self._conclude_due = trio.Event()
-        #: The conclusion task concludes every EAGER_SWEEP_S (requests in flight).
+        #: Seconds at most between eager conclusions while requests are in flight.
+        self.eager_sweep: float = EAGER_SWEEP_S
+        #: The conclusion task concludes every ``eager_sweep`` (requests in flight).
         self._sweeping = False
         #: Wakes signalled, and how many of them had been signalled when a poll last
         #: took the kept events: a wake whose events were taken is not waited for.
@@ -280,9 +282,10 @@ class RankPeer(ABC, Generic[CmdT]):
     async def _conclude_when_due(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """The eager conclusion task: once per burst of input or scheduler calls
-        that the receive task did not conclude already (transfer outcomes, lookups,
-        timers, posted calls: whatever arrived before it runs), and at least every
+        """The eager conclusion task: once per burst of input or due scheduler
+        calls that the receive task did not conclude already (transfer outcomes,
+        lookups, timers, a registration whose room is past bootstrapping: whatever
+        arrived before it runs), and at least every
         :data:`EAGER_SWEEP_S` while requests are in flight, conclude a poll and keep
         its events for the next :meth:`poll`; then wake the waiters, only when that
         brought events."""
@@ -290,7 +293,7 @@ class RankPeer(ABC, Generic[CmdT]):
         while True:
             self._sweeping = self._eager and self.core.has_in_flight()
             if self._sweeping:
-                with trio.move_on_after(EAGER_SWEEP_S) as sweep:
+                with trio.move_on_after(self.eager_sweep) as sweep:
                     await self._conclude_due.wait()
                 if sweep.cancelled_caught:
                     self._due = True  # time passed: a timeout may have come
@@ -364,8 +367,8 @@ class RankPeer(ABC, Generic[CmdT]):
 
     def conclude_eagerly(self, eager: bool = True) -> None:
         """Conclude a poll in the Trio thread as soon as input arrives or a
-        scheduler call ran, instead of waiting for the scheduler's next
-        :meth:`poll` (a group of one rank only), and at least every
+        scheduler call left events for a poll, instead of waiting for the
+        scheduler's next :meth:`poll` (a group of one rank only), and at least every
         :data:`EAGER_SWEEP_S` while requests are in flight, for what only time
         brings. The events wait, in order, for the next poll (:meth:`take_ready`
         takes them from any thread without a crossing), and
