@@ -228,35 +228,6 @@ async def test_small_writes_to_a_reached_peer_are_polled_not_threaded() -> None:
     assert (runner.thread_writes, runner.polled_writes) == (2, 1)
 
 
-async def test_a_polled_write_still_in_flight_is_waited_for_in_a_worker_thread() -> None:
-    """Past its fast checks a polled write is checked from a worker thread (whose
-    sleeps need not round up to a millisecond, as a Trio sleep does); a cancel that
-    arrives meanwhile still waits for the write, which lands."""
-    a, b, src, dst = _pair(latency=0.05)
-    runner = EngineRunner(a)
-    s, d = int(src.ctypes.data), int(dst.ctypes.data)
-    await _warm(runner, b.session_id, s, d)
-    checked_in: list[threading.Thread] = []
-    real = a.check_write
-
-    def check_write(ticket: WriteTicket) -> bool:
-        checked_in.append(threading.current_thread())
-        return real(ticket)
-
-    a.check_write = check_write  # type: ignore[method-assign]
-    trio_thread = threading.current_thread()
-    with trio.move_on_after(0.01) as scope:
-        await runner.batch_write(b.session_id, [s + 8], [d + 8], [64])
-        await trio.sleep(10)  # the cancellation lands here, after the write
-    assert scope.cancelled_caught
-    assert runner.polled_writes == 1
-    assert checked_in[0] is trio_thread
-    assert checked_in[-1] is not trio_thread, "the last checks ran in a worker thread"
-    assert bytes(dst[8:72]) == bytes(src[8:72])
-    assert a.pending_writes == 0
-    assert runner.in_flight == 0
-
-
 async def test_polling_can_be_switched_off() -> None:
     a, b, src, dst = _pair()
     runner = EngineRunner(a, poll_max_descriptors=0)

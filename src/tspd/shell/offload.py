@@ -27,10 +27,8 @@ limit). A write takes one of three ways:
   :class:`~tspd.engines.base.PollingEngine`, the batch has at most
   ``poll_max_descriptors`` copies and a write to that peer already succeeded: one
   ``submit_write`` per copy, then ``check_write`` on each until all are done. The
-  first checks are zero-length sleeps (a 4 KiB write takes ~50 µs); a write still
-  in flight after about twice its expected time is waited for in a worker thread,
-  whose sleeps, unlike a timed Trio sleep, need not round up to a millisecond; a
-  write expected to take milliseconds sleeps most of that first.
+  first checks are zero-length sleeps (a 4 KiB write takes ~50 µs), then one every
+  millisecond; a write expected to take milliseconds sleeps most of that first.
   Measured on the 2-core host with Mooncake over loopback TCP: a 4 KiB write 52 µs
   polled against 148 µs through a thread, four 4 KiB copies 137 against 272 µs;
   at eight copies one write alone is faster through a thread (each submit is a
@@ -145,13 +143,9 @@ _FAST_SLACK_S: Final = 0.0005
 #: A write expected to take longer than this first sleeps all but _WAKE_EARLY_S of it.
 _SLEEP_FIRST_S: Final = 0.003
 _WAKE_EARLY_S: Final = 0.002
-#: A write still in flight once the fast checks are over is waited for in a worker
-#: thread, checked after sleeps growing from the first to the last of these: a timed
-#: Trio sleep rounds up to a millisecond (measured on the 2-core host: one such
-#: sleep took 1-2 ms, the tail of a one-page room's hand-over), a thread's sleep
-#: does not.
-_THREAD_FIRST_POLL_S: Final = 0.00005
-_THREAD_MAX_POLL_S: Final = 0.0005
+#: Check interval once the fast checks are over (a timed Trio sleep rounds up to
+#: about a millisecond anyway).
+_SLOW_POLL_S: Final = 0.001
 
 _FAST_POLLS: Final = 8
 """Zero-length sleeps before a step wait backs off to timed polls."""
@@ -615,59 +609,33 @@ async def _await_tickets(
     The fast checks yield through a cancel-shielded checkpoint (a shielded cancel
     scope costs more than a 4 KiB write's worth of checks); only timed sleeps
     enter a shield."""
-    fast_until = started + 2 * expected + _FAST_SLACK_S
     if expected > _SLEEP_FIRST_S:
         with trio.CancelScope(shield=True):
             await trio.sleep(expected - _WAKE_EARLY_S)
-        # Spinning through the rest would take a core from the engine's own threads
-        # for milliseconds: a short window, then the thread below.
-        fast_until = time.perf_counter() + _WAKE_EARLY_S + _FAST_SLACK_S
+    fast_until = started + 2 * expected + _FAST_SLACK_S
     error: TransferError | None = None
     pending = tickets
     while True:
-        pending, error = _check_tickets(engine, pending, error)
-        if not pending:
+        still: list[WriteTicket] = []
+        for ticket in pending:
+            try:
+                if not engine.check_write(ticket):
+                    still.append(ticket)
+            except TransferError as err:
+                error = error or err
+        if not still:
             return error
-        if time.perf_counter() >= fast_until:
-            break
-        # Give the CPU to the engine's own threads if they wait for it: this loop
-        # never blocks, and on a small host a spinning Trio thread kept Mooncake's
-        # I/O thread waiting (measured p90 of a polled 4 KiB write ~1.6 ms without,
-        # ~0.1 ms with).
-        os.sched_yield()
-        await trio.lowlevel.cancel_shielded_checkpoint()
-    # Never abandoned: the engine still reads and writes this write's memory.
-    with trio.CancelScope(shield=True):
-        error = await trio.to_thread.run_sync(_await_tickets_blocking, engine, pending, error)
-    return error
-
-
-def _check_tickets(
-    engine: PollingEngine, tickets: list[WriteTicket], error: TransferError | None
-) -> tuple[list[WriteTicket], TransferError | None]:
-    """One check of every ticket: those still in flight, and the first error."""
-    still: list[WriteTicket] = []
-    for ticket in tickets:
-        try:
-            if not engine.check_write(ticket):
-                still.append(ticket)
-        except TransferError as err:
-            error = error or err
-    return still, error
-
-
-def _await_tickets_blocking(
-    engine: PollingEngine, tickets: list[WriteTicket], error: TransferError | None
-) -> TransferError | None:
-    """:func:`_await_tickets`' slow part, in a worker thread: check with growing
-    sleeps until no ticket is in flight (the engine bounds each write's time)."""
-    delay = _THREAD_FIRST_POLL_S
-    while True:
-        time.sleep(delay)
-        tickets, error = _check_tickets(engine, tickets, error)
-        if not tickets:
-            return error
-        delay = min(delay * 2, _THREAD_MAX_POLL_S)
+        pending = still
+        if time.perf_counter() < fast_until:
+            # Give the CPU to the engine's own threads if they wait for it: this
+            # loop never blocks, and on a small host a spinning Trio thread kept
+            # Mooncake's I/O thread waiting (measured p90 of a polled 4 KiB write
+            # ~1.6 ms without, ~0.1 ms with).
+            os.sched_yield()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(_SLOW_POLL_S)
 
 
 async def wait_step(
