@@ -346,6 +346,10 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
         scheduler polls only then)."""
         return bool(self._requests) or bool(self._held)
 
+    def rid_of(self, room: int) -> str | None:
+        """The tracked request of ``room``, if any."""
+        return self._rid_of_room.get(room)
+
     def tracked_rooms(self) -> list[int]:
         """The rooms of tracked requests, ascending."""
         return sorted(self._rid_of_room)

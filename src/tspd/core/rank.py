@@ -154,6 +154,22 @@ class RankCore(ABC, Generic[R, C]):
         """The room's state on this rank (``ABSENT`` if it has none)."""
         return self._rooms.state(room)
 
+    def event_pending(self, rid: str | None) -> bool:
+        """Whether a poll now would bring request ``rid`` an event -- its
+        ``Bootstrapped``, its success or its failure -- with no further input and no
+        time passing (``False`` for a request this rank does not track). A shell
+        that concludes eagerly asks it after a scheduler call, to conclude at once
+        only when that is so."""
+        request = None if rid is None else self._requests.get(rid)
+        if request is None:
+            return False
+        value = _CONCLUDED_VALUE.get(request.state)
+        if value is None:
+            value = self._rooms.wire_values.get(request.room, _FAILED)
+        return value in _ROOM_CONCLUDED or (
+            request.state in _UNANNOUNCED and value in self._announcing
+        )
+
     def room_failure(self, room: int) -> str | None:
         """The room's first recorded failure reason."""
         failure = self._rooms.failure(room)

@@ -272,7 +272,7 @@ class DecodePeer(RankPeer[DecodeCommand]):
         """Track request ``rid`` for ``room`` at the Prefill instance whose bootstrap
         server is ``bootstrap_addr`` (``host:port``); routing starts at once."""
         self.core.register_request(rid, room, bootstrap_addr, trio.current_time())
-        self._pump(due=self._registered_settled(room))
+        self._pump(due=self.core.event_pending(rid))
 
     def send_preallocation(
         self,
@@ -290,7 +290,7 @@ class DecodePeer(RankPeer[DecodeCommand]):
                 room, manifest, trio.current_time(), prefix_len=prefix_len, prompt_len=prompt_len
             )
         finally:
-            self._pump(due=self._ended((room,)))
+            self._pump(due=self.core.event_pending(self.core.rid_of(room)))
 
     def statistics(self) -> dict[str, int]:
         """The core's table sizes plus message counters."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Final, Generic, Protocol, TypeVar
 
@@ -76,9 +76,6 @@ RECENT_FAILURES: Final = 1024
 #: this, without its polls crossing into the Trio thread. The timeouts it serves
 #: are seconds long.
 EAGER_SWEEP_S: Final = 0.05
-
-#: Room states a poll concludes a request in (an absent room reads as failed).
-_ENDED: Final = frozenset({RoomState.SUCCESS, RoomState.FAILED, RoomState.ABSENT})
 
 #: The side's command union.
 CmdT = TypeVar("CmdT", bound=Command)
@@ -223,8 +220,8 @@ class RankPeer(ABC, Generic[CmdT]):
         ended to the observer and let the timer re-read the deadline; ``activity``
         marks input from outside the scheduler (a message, a transfer outcome, a
         lookup, a timer), ``due`` a scheduler call after which a poll would have
-        events (a request registered for a room already past bootstrapping, a room
-        the call ended). With eager conclusion either is concluded by the
+        events (the core's ``event_pending``). With eager conclusion either is
+        concluded by the
         conclusion task, or here at the end with ``conclude`` (the receive task,
         after a message batch)."""
         if activity or due:
@@ -301,18 +298,6 @@ class RankPeer(ABC, Generic[CmdT]):
                 await self._conclude_due.wait()
             self._conclude_due = trio.Event()
             self._conclude_if_due()
-
-    def _registered_settled(self, room: int) -> bool:
-        """After a scheduler registered a request for ``room``: whether a poll would
-        have its event already (the room is past bootstrapping, or has no entry,
-        which a poll reads as a failure)."""
-        return self.core.room_state(room) is not RoomState.BOOTSTRAPPING
-
-    def _ended(self, rooms: Iterable[int]) -> bool:
-        """After a scheduler call on ``rooms``: whether one of them ended (or has no
-        entry), so a poll would have its event."""
-        state = self.core.room_state
-        return any(state(room) in _ENDED for room in rooms)
 
     def _conclude_if_due(self) -> None:
         """The eager conclusion, if input arrived since the last one (the receive

@@ -270,7 +270,7 @@ class PrefillPeer(RankPeer[PrefillCommand]):
         same requests in the same order."""
         self.core.register_request(rid, room, trio.current_time())
         self._rooms_by_rid[rid] = room
-        self._pump(due=self._registered_settled(room))
+        self._pump(due=self.core.event_pending(rid))
 
     def _concluded(self, events: list[Event]) -> None:
         for event in events:
@@ -309,14 +309,12 @@ class PrefillPeer(RankPeer[PrefillCommand]):
         for a caller error (a negative token, a room still waiting for its
         pre-allocations); the other rows are still handed over."""
         errors: list[TspdError] = []
-        handed: list[int] = []
         now = trio.current_time()
         try:
             for row in rows:
                 room = self._rooms_by_rid.get(row.rid)
                 if room is None:
                     continue
-                handed.append(room)
                 try:
                     self.core.hand_over(
                         room, row.tables, row.bootstrap_token, row.spec_candidate_ids, now
@@ -325,7 +323,7 @@ class PrefillPeer(RankPeer[PrefillCommand]):
                     errors.append(err)
         finally:
             # A room ends here only when it had nothing to send or could not be planned.
-            self._pump(due=self._ended(handed))
+            self._pump(due=any(self.core.event_pending(row.rid) for row in rows))
         if errors:
             raise errors[0]
 
