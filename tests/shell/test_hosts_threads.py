@@ -277,6 +277,71 @@ def test_a_call_in_flight_when_the_host_closes_fails_with_bridge_closed() -> Non
         future.result(timeout=1)
 
 
+def test_blocking_calls_run_after_earlier_posts_and_hand_back_their_outcome() -> None:
+    seen: list[int] = []
+
+    async def snapshot() -> list[int]:
+        await trio.lowlevel.checkpoint()
+        return list(seen)
+
+    def fails() -> None:
+        raise KeyError("from call_sync")
+
+    with open_trio_thread() as host:
+        for i in range(100):
+            host.post(seen.append, i)
+        assert host.call(snapshot) == list(range(100))
+        host.post(seen.append, 100)
+        assert host.call_sync(lambda: list(seen)) == list(range(101))
+        with pytest.raises(KeyError, match="from call_sync"):
+            host.call_sync(fails)
+        assert host.call_sync(len, seen) == 101  # the host still runs
+
+
+def test_a_blocking_call_from_a_trio_task_is_refused_not_deadlocked() -> None:
+    with open_trio_thread() as host:
+
+        async def inside() -> str:
+            with pytest.raises(RuntimeError, match="make it from a plain thread"):
+                host.call_sync(int)
+            with pytest.raises(RuntimeError, match="make it from a plain thread"):
+                host.call(trio.sleep, 0)
+            return "refused"
+
+        assert host.call(inside) == "refused"
+
+
+def test_a_blocking_call_in_flight_when_the_host_closes_fails_with_bridge_closed() -> None:
+    outcome: list[BaseException] = []
+    started = threading.Event()
+    host = TrioThread("closing")
+    host.start_thread()
+
+    async def forever() -> None:
+        started.set()
+        await trio.sleep_forever()
+
+    def wait_forever() -> None:
+        try:
+            host.call(forever)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=wait_forever)
+    caller.start()
+    assert started.wait(5)
+    host.close()
+    caller.join(5)
+    assert not caller.is_alive()
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], BridgeClosed), outcome  # not trio.Cancelled
+    assert "stopped before the call finished" in str(outcome[0])
+    with pytest.raises(BridgeClosed, match="has stopped; the call was not run"):
+        host.call(trio.sleep, 0)
+    with pytest.raises(BridgeClosed, match="has stopped; the call was not run"):
+        host.call_sync(int)
+
+
 def test_a_future_cancelled_before_it_ran_never_runs() -> None:
     ran: list[str] = []
 

@@ -110,6 +110,57 @@ class TrioFuture(concurrent.futures.Future[T]):
         return True
 
 
+class _Failable(Protocol):
+    """What the host's queue fails when the Trio thread cannot run an entry: a
+    post's ``Future`` or a blocking call's :class:`_Waiter`."""
+
+    def done(self) -> bool: ...
+
+    def set_running_or_notify_cancel(self) -> bool: ...
+
+    def set_exception(self, exception: BaseException | None) -> None: ...
+
+
+@final
+class _Waiter(Generic[T]):
+    """A blocking call's outcome: the caller sleeps on a lock that the first outcome
+    releases (a ``Future`` brings a ``Condition`` with an ``RLock``, which a
+    scheduler's idle wait paid for on every crossing)."""
+
+    __slots__ = ("_claim", "_error", "_ready", "_value")
+
+    def __init__(self) -> None:
+        self._claim = threading.Lock()  # taken by the first outcome; later ones drop
+        self._ready = threading.Lock()
+        self._ready.acquire()
+        self._value: T | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._claim.locked()
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return not self.done()
+
+    def set_result(self, value: T) -> None:
+        if self._claim.acquire(blocking=False):
+            self._value = value
+            self._ready.release()
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        if self._claim.acquire(blocking=False):
+            self._error = exception or RuntimeError("the call failed without an error")
+            self._ready.release()
+
+    def result(self) -> T:
+        """Block until the outcome; return the value or raise the error (once)."""
+        self._ready.acquire()
+        error, self._error = self._error, None  # no cycle through the traceback
+        if error is not None:
+            raise error
+        return typing.cast(T, self._value)
+
+
 @final
 class TrioThread(TrioHost):
     """A Trio run in a background thread; get one from :func:`open_trio_thread`.
@@ -125,7 +176,7 @@ class TrioThread(TrioHost):
         self._ready = threading.Event()
         self._finished = threading.Event()
         #: Posts waiting for the Trio thread, and whether a drain is queued there.
-        self._posts: deque[tuple[concurrent.futures.Future[Any], Callable[[], None]]] = deque()
+        self._posts: deque[tuple[_Failable, Callable[[], None]]] = deque()
         self._posts_lock = threading.Lock()
         self._drain_queued = False
         self._thread = threading.Thread(target=self._thread_main, name=name, daemon=True)
@@ -140,7 +191,13 @@ class TrioThread(TrioHost):
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float | None = None) -> T:
         """Run the Trio async function ``fn(*args)`` and wait for its result; its
         error is raised here. ``timeout`` (seconds) cancels it and raises
-        ``TimeoutError``. Blocks the caller: not for a scheduler's hot path."""
+        ``TimeoutError``. Blocks the caller (for a scheduler's idle wait, the setup
+        and the teardown).
+
+        It starts ``fn`` through the same queue as :meth:`post` -- after every post
+        made before it, in the same wake-up of the Trio thread -- and hands the
+        result back through a lock, not a ``Future``: a scheduler that posts a
+        call and then waits pays one crossing, not two (docs/architecture.md#threads)."""
 
         async def bounded() -> T:
             if timeout is None:
@@ -154,19 +211,36 @@ class TrioThread(TrioHost):
                     f"{timeout} s"
                 ) from None
 
-        try:
-            result: T = trio.from_thread.run(bounded, trio_token=self.token)
-        except trio.RunFinishedError:
-            raise self._closed_error("has stopped; the call was not run") from None
-        return result
+        waiter: _Waiter[T] = _Waiter()
+
+        def spawn() -> None:
+            if self._nursery is None:
+                waiter.set_exception(self._closed_error("is closing; the call was not run"))
+                return
+            try:
+                self._nursery.start_soon(self._call_task, waiter, bounded, name=fn)
+            except RuntimeError:
+                waiter.set_exception(self._closed_error("is closing; the call was not run"))
+
+        self._refuse_in_trio()
+        self._enqueue(waiter, spawn)
+        return waiter.result()
 
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run the plain function ``fn(*args)`` in the Trio thread and wait for it
-        (a quick call into a peer; it must not wait for anything itself)."""
-        try:
-            return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
-        except trio.RunFinishedError:
-            raise self._closed_error("has stopped; the call was not run") from None
+        (a quick call into a peer; it must not wait for anything itself). It runs
+        in order with :meth:`post` (see :meth:`call`)."""
+        waiter: _Waiter[T] = _Waiter()
+
+        def run() -> None:
+            try:
+                waiter.set_result(fn(*args))
+            except BaseException as exc:  # delivered to the caller, as it raised it
+                waiter.set_exception(exc)
+
+        self._refuse_in_trio()
+        self._enqueue(waiter, run)
+        return waiter.result()
 
     def enter(self, cm: AbstractAsyncContextManager[T], *, name: str | None = None) -> T:
         """Enter the Trio async context manager ``cm`` in the host's nursery and
@@ -199,13 +273,27 @@ class TrioThread(TrioHost):
             except Exception as exc:
                 future.set_exception(exc)
 
-        with self._posts_lock:
-            self._posts.append((future, run))
-            if self._drain_queued:
-                return future
-            self._drain_queued = True
-        self._post_or_fail(future, self._drain_posts)
+        self._enqueue(future, run)
         return future
+
+    def _enqueue(self, waiter: _Failable, run: Callable[[], None]) -> None:
+        """Queue ``run`` for the Trio thread after every earlier post or call; the
+        first entry of a burst wakes the thread, whose drain runs the lot."""
+        with self._posts_lock:
+            self._posts.append((waiter, run))
+            if self._drain_queued:
+                return
+            self._drain_queued = True
+        self._post_or_fail(waiter, self._drain_posts)
+
+    def _refuse_in_trio(self) -> None:
+        """A blocking call from a Trio task would block its run (this host's: for
+        ever): refuse it, as ``trio.from_thread`` does."""
+        try:
+            trio.lowlevel.current_task()
+        except RuntimeError:
+            return
+        raise RuntimeError(f"{self._name}: this is a blocking call; make it from a plain thread")
 
     def _drain_posts(self) -> None:
         """Run every queued post, in order (in the Trio thread)."""
@@ -267,7 +355,7 @@ class TrioThread(TrioHost):
 
     # -- internals -------------------------------------------------------------------
 
-    def _post_or_fail(self, future: concurrent.futures.Future[Any], fn: Callable[[], None]) -> None:
+    def _post_or_fail(self, future: _Failable, fn: Callable[[], None]) -> None:
         if self._token is None:
             self._fail_posts(future, "has not started; the call was not run")
             return
@@ -276,7 +364,7 @@ class TrioThread(TrioHost):
         except trio.RunFinishedError:
             self._fail_posts(future, "has stopped; the call was not run")
 
-    def _fail_posts(self, future: concurrent.futures.Future[Any], why: str) -> None:
+    def _fail_posts(self, future: _Failable, why: str) -> None:
         """``future`` (and, when its callback was the posts' drain, every queued
         post) cannot run: fail it."""
         failed = [future]
@@ -315,6 +403,15 @@ class TrioThread(TrioHost):
                     )
                 else:
                     future.set_exception(self._closed_error("stopped before the call finished"))
+
+    async def _call_task(self, waiter: _Waiter[T], fn: Callable[[], Awaitable[T]]) -> None:
+        try:
+            waiter.set_result(await fn())
+        except Exception as exc:
+            waiter.set_exception(exc)
+        finally:
+            if not waiter.done():  # cancelled: the host is closing
+                waiter.set_exception(self._closed_error("stopped before the call finished"))
 
     def _cancel_from_any_thread(self, scope: trio.CancelScope) -> None:
         if self._token is None:
