@@ -166,7 +166,11 @@ class RoomTrace:
     """One room's milestones on one rank; ``outcome`` is ``None`` while it lives.
 
     ``marks`` holds each milestone reached, with the time it was first reached, in
-    the order they happened. ``bytes``/``descriptors``/``chunks`` count what the
+    the order they happened; it is built from ``kinds`` (the milestones) and
+    ``times`` (their times), which the trace keeps instead: a scheduler that keeps
+    thousands of traces then holds two tuples each, one of them shared, not a pair
+    per milestone for the garbage collector to scan. :meth:`of` builds a trace from
+    ``(mark, time)`` pairs. ``bytes``/``descriptors``/``chunks`` count what the
     room's transfer chunks planned (Prefill; all of it was written when the room
     succeeded). ``reason``/``reason_class``/``timeout_stage`` describe the first
     failure.
@@ -176,7 +180,8 @@ class RoomTrace:
     side: Side
     rank: int
     rid: str | None
-    marks: tuple[tuple[Mark, float], ...]
+    kinds: tuple[Mark, ...]
+    times: tuple[float, ...]
     outcome: Outcome | None = None
     reason: str | None = None
     reason_class: ReasonClass | None = None
@@ -185,9 +190,53 @@ class RoomTrace:
     descriptors: int = 0
     chunks: int = 0
 
+    @classmethod
+    def of(
+        cls,
+        room: int,
+        side: Side,
+        rank: int,
+        rid: str | None,
+        marks: Mapping[Mark, float] | tuple[tuple[Mark, float], ...],
+        *,
+        outcome: Outcome | None = None,
+        reason: str | None = None,
+        reason_class: ReasonClass | None = None,
+        timeout_stage: str | None = None,
+        bytes: int = 0,
+        descriptors: int = 0,
+        chunks: int = 0,
+    ) -> RoomTrace:
+        """A trace whose milestones are ``marks``: ``(mark, time)`` pairs in the order
+        reached, or a mapping in that order."""
+        if isinstance(marks, Mapping):
+            kinds, times = tuple(marks), tuple(marks.values())
+        else:
+            kinds, times = tuple(m for m, _ in marks), tuple(t for _, t in marks)
+        return cls(
+            room,
+            side,
+            rank,
+            rid,
+            _shared_kinds(kinds),
+            times,
+            outcome,
+            reason,
+            reason_class,
+            timeout_stage,
+            bytes,
+            descriptors,
+            chunks,
+        )
+
+    @property
+    def marks(self) -> tuple[tuple[Mark, float], ...]:
+        """Each milestone reached, with the time it was first reached, in order."""
+        return tuple(zip(self.kinds, self.times, strict=True))
+
     def at(self, mark: Mark) -> float | None:
         """When the room first reached ``mark``, or ``None``."""
-        for reached, when in self.marks:
+        for reached, when in zip(self.kinds, self.times, strict=True):
             if reached is mark:
                 return when
         return None
@@ -195,12 +244,12 @@ class RoomTrace:
     @property
     def started(self) -> float:
         """The time of the first milestone."""
-        return self.marks[0][1] if self.marks else 0.0
+        return self.times[0] if self.times else 0.0
 
     @property
     def duration(self) -> float:
         """From the first milestone to the last (the room's whole life once ended)."""
-        return self.marks[-1][1] - self.started if self.marks else 0.0
+        return self.times[-1] - self.times[0] if self.times else 0.0
 
     @property
     def phases(self) -> dict[str, float]:
@@ -249,6 +298,22 @@ class RoomTrace:
             state += f" [{self.reason_class}] {self.reason}"
         steps = ", ".join(f"{mark} +{when - self.started:.3f}s" for mark, when in self.marks)
         return f"{who}: {state}; {steps}"
+
+
+#: Milestone sequences seen, each kept once and shared by every trace that has it
+#: (rooms mostly pass the same milestones in the same order); bounded.
+_KINDS: Final[dict[tuple[Mark, ...], tuple[Mark, ...]]] = {}
+_KINDS_MAX: Final = 1024
+
+
+def _shared_kinds(kinds: tuple[Mark, ...]) -> tuple[Mark, ...]:
+    """The shared copy of ``kinds`` (``kinds`` itself once the table is full)."""
+    shared = _KINDS.get(kinds)
+    if shared is not None:
+        return shared
+    if len(_KINDS) < _KINDS_MAX:
+        _KINDS[kinds] = kinds
+    return kinds
 
 
 @dataclass(slots=True)
@@ -330,12 +395,12 @@ class RoomTracer:
         reason, reason_class = live.reason, live.reason_class
         if outcome is Outcome.DROPPED and reason is None:
             reason, reason_class = "no request on this rank claimed the room", ReasonClass.UNCLAIMED
-        trace = RoomTrace(
-            room=room,
-            side=self.side,
-            rank=self.rank,
-            rid=live.rid,
-            marks=tuple(live.marks.items()),
+        trace = RoomTrace.of(
+            room,
+            self.side,
+            self.rank,
+            live.rid,
+            live.marks,
             outcome=outcome,
             reason=reason,
             reason_class=reason_class,
@@ -366,12 +431,12 @@ class RoomTracer:
         """The room's live trace, else its most recent kept one, else ``None``."""
         live = self._live.get(room)
         if live is not None:
-            return RoomTrace(
-                room=room,
-                side=self.side,
-                rank=self.rank,
-                rid=live.rid,
-                marks=tuple(live.marks.items()),
+            return RoomTrace.of(
+                room,
+                self.side,
+                self.rank,
+                live.rid,
+                live.marks,
                 reason=live.reason,
                 reason_class=live.reason_class,
                 timeout_stage=live.timeout_stage,
