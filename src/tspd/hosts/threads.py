@@ -57,6 +57,7 @@ from tspd.shell.decode import DecodePeer
 from tspd.shell.kv_subscriber import KVEventSubscriber, SubscriberItem
 from tspd.shell.nursery import single_error
 from tspd.shell.prefill import PrefillOutbox, PrefillPeer
+from tspd.shell.threadsafe import LazyFuture
 
 __all__ = [
     "ThreadedDecode",
@@ -263,7 +264,7 @@ class TrioThread(TrioHost):
         A burst of posts wakes the Trio thread once: they queue here and one
         callback runs every post queued by the time it runs (a scheduler that
         registers 256 requests in a row pays one wake-up, not 256)."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        future: concurrent.futures.Future[T] = LazyFuture()
 
         def run() -> None:
             if not future.set_running_or_notify_cancel():

@@ -6,25 +6,92 @@ remote decode, arm layerwise chunks) and must never wait for a transfer
 with ``TrioToken.run_sync_soon`` and returns a ``concurrent.futures.Future`` at
 once: the caller may ignore it, poll it, or block on ``result()`` when it wants
 the error the call raised. Calls run in the order they were posted.
+
+The futures are :class:`LazyFuture`: a ``concurrent.futures.Future`` that makes
+its ``Condition`` only when a thread waits on it. A scheduler posts a few calls a
+room and mostly ignores their futures; a plain ``Future`` brought eleven objects
+for the garbage collector each (a ``Condition``, its ``RLock`` and bound methods,
+the waiter and callback lists), a ``LazyFuture`` that nobody waits on brings two.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures._base
+import threading
 from collections.abc import Callable
-from typing import TypeVar, final
+from typing import Any, Final, TypeVar, final
 
 import trio
 
 from tspd.core.errors import TspdError
 
-__all__ = ["LoopPortal", "PeerClosed"]
+__all__ = ["LazyFuture", "LoopPortal", "PeerClosed"]
 
 T = TypeVar("T")
 
 
 class PeerClosed(TspdError):
     """The peer's Trio loop is gone; the call was not run."""
+
+
+#: Guards every LazyFuture's first Condition against its fast paths (held for a
+#: few byte codes at a time).
+_LAZY_LOCK: Final = threading.Lock()
+#: The attributes a LazyFuture makes on first use.
+_LAZY_ATTRS: Final = frozenset(("_condition", "_waiters", "_done_callbacks"))
+_PENDING: Final = concurrent.futures._base.PENDING
+_RUNNING: Final = concurrent.futures._base.RUNNING
+_FINISHED: Final = concurrent.futures._base.FINISHED
+
+
+class LazyFuture(concurrent.futures.Future[T]):
+    """A ``concurrent.futures.Future`` whose ``Condition`` (and waiter and callback
+    lists) are made the first time anything needs them: ``result()``, ``done()``,
+    ``cancel()``, a callback, ``concurrent.futures.wait``. Until then the producer
+    marks it running and sets its outcome under one module lock; once the
+    Condition exists every method is the standard one. The lock makes the two
+    exclusive: an outcome set without the Condition is seen by whoever makes it,
+    and one set after goes through it and wakes the waiters."""
+
+    def __init__(self) -> None:  # the base's __init__ would make the Condition now
+        self._state = _PENDING
+        self._result = None
+        self._exception = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _LAZY_ATTRS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        attrs = self.__dict__
+        with _LAZY_LOCK:
+            if "_condition" not in attrs:
+                attrs["_waiters"] = []
+                attrs["_done_callbacks"] = []
+                attrs["_condition"] = threading.Condition()  # last: the fast paths look
+        return attrs[name]
+
+    def set_running_or_notify_cancel(self) -> bool:
+        with _LAZY_LOCK:
+            if "_condition" not in self.__dict__ and self._state == _PENDING:
+                self._state = _RUNNING
+                return True
+        return super().set_running_or_notify_cancel()
+
+    def set_result(self, result: T) -> None:
+        with _LAZY_LOCK:
+            if "_condition" not in self.__dict__ and self._state in (_PENDING, _RUNNING):
+                self._result = result
+                self._state = _FINISHED
+                return
+        super().set_result(result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        with _LAZY_LOCK:
+            if "_condition" not in self.__dict__ and self._state in (_PENDING, _RUNNING):
+                self._exception = exception
+                self._state = _FINISHED
+                return
+        super().set_exception(exception)
 
 
 @final
@@ -42,7 +109,7 @@ class LoopPortal:
 
     def post(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn()`` in the Trio thread soon; its result or error lands in the future."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        future: concurrent.futures.Future[T] = LazyFuture()
         if not self._open:
             future.set_exception(PeerClosed(f"{self._name} is closed; the call was dropped"))
             return future
