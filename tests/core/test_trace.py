@@ -3,6 +3,7 @@ on both cores (driven through CorePair in virtual time) and on the tracer alone.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import pytest
@@ -376,3 +377,28 @@ def test_statistics_count_live_traces(pair: CorePair) -> None:
     # A room failed by a bad pre-allocation has a trace until the unclaimed sweep.
     assert pair.prefill[0].trace(2).reason_class is ReasonClass.PREALLOCATION  # type: ignore[union-attr]
     assert pair.prefill[0].statistics()["traces"] == 2
+
+
+def test_kept_traces_share_their_milestones_and_stay_light_for_the_collector() -> None:
+    tracer = RoomTracer(Side.DECODE, 0, TraceConfig(keep=1000, slow_after=1e-9))
+    for room in range(1, 301):
+        tracer.mark(room, Mark.REGISTERED, float(room), rid=f"r{room}")
+        tracer.mark(room, Mark.BOOTSTRAPPED, room + 0.5)
+        tracer.finish(room, RoomState.SUCCESS, Mark.CONCLUDED, room + 1.0)
+    kept = tracer.recent()
+    assert len(kept) == 300
+    assert len({id(trace.kinds) for trace in kept}) == 1  # one shared sequence
+    assert kept[4].marks == (
+        (Mark.REGISTERED, 5.0),
+        (Mark.BOOTSTRAPPED, 5.5),
+        (Mark.CONCLUDED, 6.0),
+    )
+    assert kept[4].at(Mark.BOOTSTRAPPED) == 5.5
+    assert kept[4].duration == 1.0
+    gc.collect()
+    tracked = {id(o) for o in gc.get_objects()}
+    assert sum(id(trace) in tracked for trace in kept) == 300
+    assert sum(id(trace.times) in tracked for trace in kept) == 0  # floats only
+    rebuilt = RoomTrace.of(5, Side.DECODE, 0, "r5", kept[4].marks, outcome=kept[4].outcome)
+    assert rebuilt.kinds is kept[4].kinds
+    assert rebuilt.times == kept[4].times
