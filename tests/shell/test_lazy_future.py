@@ -29,9 +29,8 @@ def test_a_future_nobody_waits_on_holds_no_condition() -> None:
     assert "_condition" not in vars(future)
     assert _tracked_per_future(LazyFuture) <= 2.5
     assert _tracked_per_future(concurrent.futures.Future) >= 8  # what it replaces
-    assert future.result() == 7  # made on demand, outcome kept
+    assert future.result() == 7
     assert future.done()
-    assert "_condition" in vars(future)
 
 
 def test_a_waiter_that_came_first_is_woken() -> None:
@@ -97,3 +96,26 @@ def test_outcomes_racing_waiters_are_never_lost() -> None:
         future.set_result(i)
     waiter.join(30)
     assert got == list(range(2000))
+
+
+def test_reading_a_finished_future_makes_no_condition() -> None:
+    ok: LazyFuture[int] = LazyFuture()
+    assert not ok.done()
+    ok.set_running_or_notify_cancel()
+    ok.set_result(5)
+    failed: LazyFuture[int] = LazyFuture()
+    failed.set_running_or_notify_cancel()
+    failed.set_exception(ValueError("no"))
+    assert ok.done()
+    assert failed.done()
+    assert ok.result(timeout=0) == 5
+    assert ok.exception(timeout=0) is None
+    assert isinstance(failed.exception(timeout=0), ValueError)
+    with pytest.raises(ValueError, match="no"):
+        failed.result(timeout=0)
+    assert "_condition" not in vars(ok)
+    assert "_condition" not in vars(failed)
+    pending: LazyFuture[int] = LazyFuture()
+    with pytest.raises(TimeoutError):
+        pending.result(timeout=0.01)  # waiting makes it
+    assert "_condition" in vars(pending)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import concurrent.futures._base
 import threading
+import typing
 from collections.abc import Callable
 from typing import Any, Final, TypeVar, final
 
@@ -69,6 +70,29 @@ class LazyFuture(concurrent.futures.Future[T]):
                 attrs["_done_callbacks"] = []
                 attrs["_condition"] = threading.Condition()  # last: the fast paths look
         return attrs[name]
+
+    def done(self) -> bool:
+        with _LAZY_LOCK:
+            if "_condition" not in self.__dict__:  # cancelling makes it: not cancelled
+                return self._state == _FINISHED
+        return super().done()
+
+    def result(self, timeout: float | None = None) -> T:
+        with _LAZY_LOCK:
+            finished = "_condition" not in self.__dict__ and self._state == _FINISHED
+        if not finished:
+            return super().result(timeout)
+        if self._exception is not None:
+            try:
+                raise self._exception
+            finally:
+                del self  # no cycle through the traceback (as the base does)
+        return typing.cast(T, self._result)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        with _LAZY_LOCK:
+            finished = "_condition" not in self.__dict__ and self._state == _FINISHED
+        return self._exception if finished else super().exception(timeout)
 
     def set_running_or_notify_cancel(self) -> bool:
         with _LAZY_LOCK:
