@@ -72,12 +72,15 @@ class LazyFuture(concurrent.futures.Future[T]):
         return attrs[name]
 
     def done(self) -> bool:
+        """Whether the call finished or was cancelled."""
         with _LAZY_LOCK:
             if "_condition" not in self.__dict__:  # cancelling makes it: not cancelled
                 return self._state == _FINISHED
         return super().done()
 
     def result(self, timeout: float | None = None) -> T:
+        """The call's result, or its error raised; waits at most ``timeout`` seconds
+        (``None``: no limit) and raises ``TimeoutError`` after that."""
         with _LAZY_LOCK:
             finished = "_condition" not in self.__dict__ and self._state == _FINISHED
         if not finished:
@@ -90,11 +93,14 @@ class LazyFuture(concurrent.futures.Future[T]):
         return typing.cast(T, self._result)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The call's error, or ``None`` if it returned; waits like :meth:`result`."""
         with _LAZY_LOCK:
             finished = "_condition" not in self.__dict__ and self._state == _FINISHED
         return self._exception if finished else super().exception(timeout)
 
     def set_running_or_notify_cancel(self) -> bool:
+        """Mark the call running; ``False`` if it was cancelled first (the producer's
+        side, as on any ``Future``)."""
         with _LAZY_LOCK:
             if "_condition" not in self.__dict__ and self._state == _PENDING:
                 self._state = _RUNNING
@@ -102,6 +108,7 @@ class LazyFuture(concurrent.futures.Future[T]):
         return super().set_running_or_notify_cancel()
 
     def set_result(self, result: T) -> None:
+        """Set the call's result (the producer's side)."""
         with _LAZY_LOCK:
             if "_condition" not in self.__dict__ and self._state in (_PENDING, _RUNNING):
                 self._result = result
@@ -110,6 +117,7 @@ class LazyFuture(concurrent.futures.Future[T]):
         super().set_result(result)
 
     def set_exception(self, exception: BaseException | None) -> None:
+        """Set the call's error (the producer's side)."""
         with _LAZY_LOCK:
             if "_condition" not in self.__dict__ and self._state in (_PENDING, _RUNNING):
                 self._exception = exception
