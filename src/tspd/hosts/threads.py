@@ -213,18 +213,8 @@ class TrioThread(TrioHost):
                 ) from None
 
         waiter: _Waiter[T] = _Waiter()
-
-        def spawn() -> None:
-            if self._nursery is None:
-                waiter.set_exception(self._closed_error("is closing; the call was not run"))
-                return
-            try:
-                self._nursery.start_soon(self._call_task, waiter, bounded, name=fn)
-            except RuntimeError:
-                waiter.set_exception(self._closed_error("is closing; the call was not run"))
-
         self._refuse_in_trio()
-        self._enqueue(waiter, spawn)
+        self._enqueue(waiter, partial(self._start, waiter, fn, self._call_task, waiter, bounded))
         return waiter.result()
 
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
@@ -312,19 +302,24 @@ class TrioThread(TrioHost):
         even while it runs (see :class:`TrioFuture`). A host shutdown fails it with
         :class:`BridgeClosed`."""
         future: TrioFuture[T] = TrioFuture()
-
-        def spawn() -> None:
-            if self._nursery is None or future.done():
-                if not future.done():
-                    future.set_exception(self._closed_error("is closing; the call was not run"))
-                return
-            try:
-                self._nursery.start_soon(self._task, future, fn, args, name=fn)
-            except RuntimeError:
-                future.set_exception(self._closed_error("is closing; the call was not run"))
-
-        self._post_or_fail(future, spawn)
+        self._post_or_fail(future, partial(self._start, future, fn, self._task, future, fn, args))
         return future
+
+    def _start(
+        self, outcome: _Failable, name: object, task: Callable[..., Awaitable[None]], *args: Any
+    ) -> None:
+        """Start ``task(*args)`` in the host's nursery (in the Trio thread), unless
+        ``outcome`` is settled already (a cancelled submit); fail it when the host is
+        closing."""
+        if outcome.done():
+            return
+        if self._nursery is not None:
+            try:
+                self._nursery.start_soon(task, *args, name=name)
+                return
+            except RuntimeError:
+                pass
+        outcome.set_exception(self._closed_error("is closing; the call was not run"))
 
     # -- lifetime --------------------------------------------------------------------
 

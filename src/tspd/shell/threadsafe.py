@@ -78,12 +78,24 @@ class LazyFuture(concurrent.futures.Future[T]):
                 return self._state == _FINISHED
         return super().done()
 
+    def _finished_unwatched(self) -> bool:
+        """Finished while nothing made the Condition (then no waiter needs it)."""
+        with _LAZY_LOCK:
+            return "_condition" not in self.__dict__ and self._state == _FINISHED
+
+    def _settle(self, result: T | None, exception: BaseException | None) -> bool:
+        """Set the outcome without the Condition when none was made and none is set
+        yet; ``False`` when the standard path must run instead."""
+        with _LAZY_LOCK:
+            if "_condition" in self.__dict__ or self._state not in (_PENDING, _RUNNING):
+                return False
+            self._result, self._exception, self._state = result, exception, _FINISHED
+            return True
+
     def result(self, timeout: float | None = None) -> T:
         """The call's result, or its error raised; waits at most ``timeout`` seconds
         (``None``: no limit) and raises ``TimeoutError`` after that."""
-        with _LAZY_LOCK:
-            finished = "_condition" not in self.__dict__ and self._state == _FINISHED
-        if not finished:
+        if not self._finished_unwatched():
             return super().result(timeout)
         if self._exception is not None:
             try:
@@ -94,9 +106,7 @@ class LazyFuture(concurrent.futures.Future[T]):
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The call's error, or ``None`` if it returned; waits like :meth:`result`."""
-        with _LAZY_LOCK:
-            finished = "_condition" not in self.__dict__ and self._state == _FINISHED
-        return self._exception if finished else super().exception(timeout)
+        return self._exception if self._finished_unwatched() else super().exception(timeout)
 
     def set_running_or_notify_cancel(self) -> bool:
         """Mark the call running; ``False`` if it was cancelled first (the producer's
@@ -109,21 +119,13 @@ class LazyFuture(concurrent.futures.Future[T]):
 
     def set_result(self, result: T) -> None:
         """Set the call's result (the producer's side)."""
-        with _LAZY_LOCK:
-            if "_condition" not in self.__dict__ and self._state in (_PENDING, _RUNNING):
-                self._result = result
-                self._state = _FINISHED
-                return
-        super().set_result(result)
+        if not self._settle(result, None):
+            super().set_result(result)
 
     def set_exception(self, exception: BaseException | None) -> None:
         """Set the call's error (the producer's side)."""
-        with _LAZY_LOCK:
-            if "_condition" not in self.__dict__ and self._state in (_PENDING, _RUNNING):
-                self._exception = exception
-                self._state = _FINISHED
-                return
-        super().set_exception(exception)
+        if not self._settle(None, exception):
+            super().set_exception(exception)
 
 
 @final
