@@ -628,7 +628,12 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
                 manifest = build_manifest(self.config.contract, manifest, prefix_len, prompt_len)
             validate_manifest(manifest, self.config.contract, "destination")
             full = wire.encode_preallocation(room, self.config.session_id, manifest)
-            empty = wire.encode_preallocation(room, self.config.session_id, None)
+            # Dummy ranks' frames, only when the route has dummy ranks (equal TP has none).
+            empty = (
+                wire.encode_preallocation(room, self.config.session_id, None)
+                if any(target not in route.expected for target in route.targets)
+                else full
+            )
         except ProtocolError:
             raise
         except TspdError as err:
