@@ -138,12 +138,8 @@ _WARM_PEERS: Final = 4096
 #: loopback-TCP speed. Only the sleep pattern depends on it, never an outcome.
 _COPY_COST_S: Final = 30e-6
 _BYTES_PER_S: Final = 2.5e9
-#: Fast (zero-length sleep) checks run until twice the expected time plus this. A
-#: write still in flight after them waits in timed sleeps of about a millisecond, so
-#: a lone 4 KiB write that a busy host held up past the fast checks arrived ~1 ms
-#: late: with 0.5 ms, 0.1-2.8 % of such writes did (2-core host, one room in flight),
-#: and they made the hand-over's p99; 2 ms catches most of them, spinning only then.
-_FAST_SLACK_S: Final = 0.002
+#: Fast (zero-length sleep) checks run until twice the expected time plus this.
+_FAST_SLACK_S: Final = 0.0005
 #: A write expected to take longer than this first sleeps all but _WAKE_EARLY_S of it.
 _SLEEP_FIRST_S: Final = 0.003
 _WAKE_EARLY_S: Final = 0.002
