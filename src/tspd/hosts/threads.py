@@ -57,7 +57,7 @@ from tspd.shell.decode import DecodePeer
 from tspd.shell.kv_subscriber import KVEventSubscriber, SubscriberItem
 from tspd.shell.nursery import single_error
 from tspd.shell.prefill import PrefillOutbox, PrefillPeer
-from tspd.shell.threadsafe import LazyFuture
+from tspd.shell.threadsafe import LazyFuture, fulfil
 
 __all__ = [
     "ThreadedDecode",
@@ -255,16 +255,7 @@ class TrioThread(TrioHost):
         callback runs every post queued by the time it runs (a scheduler that
         registers 256 requests in a row pays one wake-up, not 256)."""
         future: concurrent.futures.Future[T] = LazyFuture()
-
-        def run() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(fn(*args))
-            except Exception as exc:
-                future.set_exception(exc)
-
-        self._enqueue(future, run)
+        self._enqueue(future, partial(fulfil, future, partial(fn, *args)))
         return future
 
     def _enqueue(self, waiter: _Failable, run: Callable[[], None]) -> None:

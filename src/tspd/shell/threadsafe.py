@@ -27,7 +27,7 @@ import trio
 
 from tspd.core.errors import TspdError
 
-__all__ = ["LazyFuture", "LoopPortal", "PeerClosed"]
+__all__ = ["LazyFuture", "LoopPortal", "PeerClosed", "fulfil"]
 
 T = TypeVar("T")
 
@@ -128,6 +128,17 @@ class LazyFuture(concurrent.futures.Future[T]):
             super().set_exception(exception)
 
 
+def fulfil(future: concurrent.futures.Future[T], fn: Callable[[], T]) -> None:
+    """Run ``fn()`` into ``future`` (a posted call, in the Trio thread): its result
+    or its error, unless the future was cancelled before it ran."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except Exception as exc:
+        future.set_exception(exc)
+
+
 @final
 class LoopPortal:
     """Posts calls from any thread into one Trio run, in order, without waiting."""
@@ -149,15 +160,10 @@ class LoopPortal:
             return future
 
         def run() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            if not self._open:
+            if self._open:
+                fulfil(future, fn)
+            elif future.set_running_or_notify_cancel():
                 future.set_exception(PeerClosed(f"{self._name} closed before the call ran"))
-                return
-            try:
-                future.set_result(fn())
-            except Exception as exc:
-                future.set_exception(exc)
 
         try:
             self._token.run_sync_soon(run)
