@@ -628,10 +628,11 @@ class DecodeCore(RankCore[_Receiver, DecodeCommand]):
                 manifest = build_manifest(self.config.contract, manifest, prefix_len, prompt_len)
             validate_manifest(manifest, self.config.contract, "destination")
             full = wire.encode_preallocation(room, self.config.session_id, manifest)
-            # Dummy ranks' frames, only when the route has dummy ranks (equal TP has none).
+            # Dummy ranks' frames, only when the route has dummy ranks (equal TP has
+            # none): the targets are the expected ranks plus the dummies.
             empty = (
                 wire.encode_preallocation(room, self.config.session_id, None)
-                if any(target not in route.expected for target in route.targets)
+                if len(route.targets) > len(route.expected)
                 else full
             )
         except ProtocolError:

@@ -224,6 +224,9 @@ class RoutePlanner:
         self.decode = decode
         self._routes: dict[int, DecodeRoute] = {}
         self._served: dict[int, frozenset[int]] | None = None
+        # Per Decode rank, asked for every room routed: computed once.
+        self._expected: dict[int, frozenset[int]] = {}
+        self._targets: dict[int, tuple[int, ...]] = {}
 
         self._group_ids: tuple[str, ...] = tuple(prefill.group_ids)
         # Field pairs per group, in sorted-id order (fields_for_group,
@@ -401,15 +404,23 @@ class RoutePlanner:
     def expected_prefill_ranks(self, decode_rank: int) -> frozenset[int]:
         """The Prefill ranks whose status message Decode rank ``decode_rank`` awaits
         (its route's targets; dummies never report)."""
-        return frozenset(self.plan(decode_rank).fragments_by_prefill_rank)
+        expected = self._expected.get(decode_rank)
+        if expected is None:
+            expected = frozenset(self.plan(decode_rank).fragments_by_prefill_rank)
+            self._expected[decode_rank] = expected
+        return expected
 
     def target_tp_ranks(self, decode_rank: int) -> tuple[int, ...]:
         """The Prefill ranks Decode rank ``decode_rank`` registers and pre-allocates
         with: its targets, plus every dummy rank for Decode rank 0."""
+        cached = self._targets.get(decode_rank)
+        if cached is not None:
+            return cached
         targets = set(self.plan(decode_rank).fragments_by_prefill_rank)
         if decode_rank == 0:
             targets.update(self.dummy_prefill_ranks())
-        return tuple(sorted(targets))
+        self._targets[decode_rank] = ordered = tuple(sorted(targets))
+        return ordered
 
 
 # -- Prefill side (docs/protocol.md#proto-prefill-planning) --------------------
