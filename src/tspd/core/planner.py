@@ -513,6 +513,10 @@ def validate_fanout(
     destination's session is not registered. Every destination must share one TP
     size and one expected set, and their ranks must be exactly that set, once each.
     """
+    if len(members) == 1 and members[0] is not None:  # one destination: its own rank
+        _, rank, wanted = members[0]
+        if len(wanted) == 1 and rank in wanted:
+            return
     known: list[FanoutMember] = []
     for member in members:
         if member is None:
