@@ -714,3 +714,33 @@ def test_a_row_reads_the_same_in_every_form(
     else:
         built = build_manifest(_WIDE, {"full": table}, 0, tokens)
         assert built.groups[0].block_ids == want
+
+
+@given(
+    ids=st.lists(st.integers(1, 63), min_size=1, max_size=40),
+    corrupt=st.lists(
+        st.tuples(
+            st.integers(0, 39),
+            st.one_of(st.integers(-3, 100), st.booleans(), st.integers(-2, 70).map(np.int64)),
+        ),
+        max_size=2,
+    ),
+)
+def test_validate_manifest_bounds_every_id_as_one_by_one(
+    ids: list[Any], corrupt: list[tuple[int, Any]]
+) -> None:
+    """Plain-int rows are bounds-checked at C speed, anything else id by id: the
+    verdict is the one-by-one definition's either way (a bool is never an id)."""
+    values: list[Any] = list(ids)
+    for at, value in corrupt:
+        if at < len(values):
+            values[at] = value
+    bound = _WIDE.virtual_block_count("full")
+    bad = any(isinstance(v, bool | np.bool_) or not 0 < v < bound for v in values)
+    tokens = len(values) * _WIDE.group("full").rows_per_page
+    row = BlockManifest((ManifestGroup("full", tuple(values)),), 0, tokens)
+    if bad:
+        with pytest.raises(ContractError, match=r"has an out-of-bounds block$"):
+            validate_manifest(row, _WIDE, "source")
+    else:
+        validate_manifest(row, _WIDE, "source")

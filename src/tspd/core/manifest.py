@@ -223,7 +223,12 @@ def validate_manifest(manifest: BlockManifest, contract: CacheContract, peer: Pe
                 f"{peer} manifest group {gid!r} block count disagrees with its transfer policy"
             )
         bound = contract.virtual_block_count(gid)
-        if any(is_bool(block) or not 0 < block < bound for block in group.block_ids):
+        ids = group.block_ids
+        if set(map(type, ids)) <= _INT:  # plain ints, the usual case: bounds in C
+            bad = bool(ids) and not (min(ids) > 0 and max(ids) < bound)
+        else:  # numpy integers and the like, one by one; never a bool
+            bad = any(is_bool(block) or not 0 < block < bound for block in ids)
+        if bad:
             raise ContractError(f"{peer} manifest group {gid!r} has an out-of-bounds block")
 
 
