@@ -163,3 +163,36 @@ async def test_a_blob_gathered_in_many_parts_arrives_byte_for_byte(
     assert out["staged_writes"] == 6
     calls = sum(p._workers.stats.engine_calls for p in prefill)
     assert calls > 6 * 3, calls
+
+
+async def test_the_next_part_of_a_blob_is_queued_while_the_one_before_is_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first part's write holds until a second write of the blob is handed over
+    # (at most 0.5 s): the next part's write is queued while the one before is in
+    # flight, so it starts the moment the runner allows, never more than
+    # STAGED_PARTS_IN_FLIGHT of them at once.
+    monkeypatch.setattr(transfers, "STAGED_PART_BYTES", 512)
+    write = transfers.TransferWorkers._write
+    seen = {"active": 0, "peak": 0, "held": False}
+    overlap = trio.Event()
+
+    async def counted(self: Any, session: str, plan: Any, active: Any) -> bool:
+        seen["active"] += 1
+        seen["peak"] = max(seen["peak"], seen["active"])
+        if seen["active"] > 1:
+            overlap.set()
+        try:
+            if not seen["held"]:
+                seen["held"] = True
+                with trio.move_on_after(0.5):
+                    await overlap.wait()
+            return await write(self, session, plan, active)
+        finally:
+            seen["active"] -= 1
+
+    monkeypatch.setattr(transfers.TransferWorkers, "_write", counted)
+    _, _, out = await _run(1, 1, rooms=(7,))
+    assert out["staged_writes"] == 1
+    assert overlap.is_set()
+    assert seen["peak"] == transfers.STAGED_PARTS_IN_FLIGHT == 2

@@ -59,6 +59,7 @@ that started is finished before cancellation is delivered.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, final
@@ -98,6 +99,11 @@ def _is_full(chunk: StartTransfer) -> bool:
 #: A staged blob is gathered and written in parts of about this many bytes: each
 #: part's write is in flight while the next part is gathered.
 STAGED_PART_BYTES = 8 << 20
+#: Parts of one staged blob handed to the engine runner at once: the next part's
+#: write is queued while the one before is in flight, so it starts as soon as the
+#: runner's write limiter lets it (with the default limit of one write, the moment
+#: the part before is done) rather than a task hand-off later.
+STAGED_PARTS_IN_FLIGHT = 2
 
 
 @final
@@ -452,9 +458,10 @@ class TransferWorkers:
         self, write: DestinationWrite, active: Callable[[], bool]
     ) -> bool | str:
         """Send a staged write: gather its blob part by part in a worker thread while
-        the part before is being written. ``False`` if the room ended (nothing more
-        is started), a text if the blob could not be gathered; a failed write raises
-        its :class:`TransferError` once the write in flight is done."""
+        the parts before it are written, at most :data:`STAGED_PARTS_IN_FLIGHT` of
+        them at once. ``False`` if the room ended (nothing more is started), a text
+        if the blob could not be gathered; a failed write raises its
+        :class:`TransferError` once the writes in flight are done."""
         staging = self._staging
         if staging is None:
             return (
@@ -478,18 +485,19 @@ class TransferWorkers:
 
         gathered: str | None = None
         async with trio.open_nursery() as nursery:
-            sent: trio.Event | None = None
+            sending: deque[trio.Event] = deque()
             while True:
                 try:
                     plan = await trio.to_thread.run_sync(next, parts, None)
                 except ValueError as exc:
                     gathered = f"gathering the staged blob for {session} failed: {exc}"
                     break
-                if sent is not None:
-                    await sent.wait()
+                while len(sending) >= STAGED_PARTS_IN_FLIGHT:
+                    await sending.popleft().wait()
                 if plan is None or failure or stopped:
                     break
                 sent = trio.Event()
+                sending.append(sent)
                 nursery.start_soon(send, plan, sent)
         if failure:
             raise failure[0]
