@@ -366,3 +366,53 @@ async def test_the_limiter_bounds_polled_writes_too() -> None:
     assert runner.polled_writes == 4
     assert engine.peak_pending == 1
     assert bytes(dst[:4]) == bytes(src[:4])
+
+
+class _CountedChecksEngine:
+    """A polling engine whose writes are done on the ``done_at``-th check; records
+    the Trio time of every check."""
+
+    session_id = "127.0.0.1:1"
+
+    def __init__(self, done_at: int) -> None:
+        self.done_at = done_at
+        self.checks: list[float] = []
+
+    def register_memory(self, addr: int, length: int) -> None:
+        pass
+
+    def unregister_memory(self, addr: int) -> None:
+        pass
+
+    def batch_write(
+        self, peer_session: str, src: AddressList, dst: AddressList, lengths: AddressList
+    ) -> None:
+        pass
+
+    def submit_write(self, peer_session: str, src: int, dst: int, length: int) -> WriteTicket:
+        return WriteTicket(peer_session, 1, length, time.monotonic())
+
+    def check_write(self, ticket: WriteTicket) -> bool:
+        self.checks.append(trio.current_time())
+        return len(self.checks) >= self.done_at
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_long_polled_write_is_checked_once_a_millisecond_after_its_first_sleep(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # 16 MiB: expected ~6.7 ms, so the write first sleeps ~4.7 ms; then it is not
+    # spun on (zero-length checks all at one Trio time) but checked a millisecond
+    # apart, leaving the CPU to the engine's own threads.
+    engine = _CountedChecksEngine(done_at=4)
+    runner = EngineRunner(engine)
+    await _warm(runner, "127.0.0.1:2", 1, 1)
+    started = trio.current_time()
+    await runner.batch_write("127.0.0.1:2", [1], [1], [16 << 20])
+    assert runner.polled_writes == 1
+    assert len(engine.checks) == 4
+    assert engine.checks[0] - started >= 0.004
+    gaps = [b - a for a, b in zip(engine.checks, engine.checks[1:], strict=False)]
+    assert all(gap >= 0.001 for gap in gaps), gaps
