@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import pytest
@@ -187,3 +188,25 @@ def test_head_major_fill_equals_the_sliced_global_pattern(tp_size: int) -> None:
             assert not verify_room(
                 arena, contract, manifest, seed=7, room=11, tp_size=tp_size, tp_rank=rank
             )
+
+
+def _resident_kib(base: int) -> int:
+    """The resident KiB of this process's mapping that starts at ``base``."""
+    start = f"{base:x}-"
+    found = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if not found:
+                found = line.startswith(start)
+            elif line.startswith("Rss:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping starts at {base:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc only")
+def test_prefault_backs_every_page_of_the_arena() -> None:
+    with HostArena(8 << 20) as arena:
+        assert _resident_kib(arena.base) == 0  # an anonymous mapping starts unbacked
+        arena.prefault()
+        assert _resident_kib(arena.base) == 8 << 10
+        assert not arena.array.any()  # still zero

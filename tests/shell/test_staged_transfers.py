@@ -196,3 +196,21 @@ async def test_the_next_part_of_a_blob_is_queued_while_the_one_before_is_written
     assert out["staged_writes"] == 1
     assert overlap.is_set()
     assert seen["peak"] == transfers.STAGED_PARTS_IN_FLIGHT == 2
+
+
+async def test_both_staging_regions_are_backed_before_they_are_registered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A region first touched by a transfer pays a page fault a page: both peers back
+    # theirs when they open, before registering it with the engine.
+    backed: list[int] = []
+    prefault = HostArena.prefault
+
+    def recorded(self: HostArena) -> None:
+        backed.append(self.size)
+        prefault(self)
+
+    monkeypatch.setattr(HostArena, "prefault", recorded)
+    _, _, out = await _run(1, 1, rooms=(7,))
+    assert out["staged_writes"] == 1
+    assert backed == [STAGING, STAGING]

@@ -77,6 +77,14 @@ class HostArena:
             raise ConfigError("the host arena was closed; open a new one")
         return self._array
 
+    def prefault(self) -> None:
+        """Back every page of the arena with memory now (a write to each page), so
+        its first use pays no page faults: a 64 MiB region first touched by a transfer
+        took 16,384 of them, and the first staged room after a start ran at half the
+        speed of the next. Blocks while the kernel backs the pages (160 MiB: ~0.12 s
+        on a 2-core host): call it from a worker thread."""
+        self.array[:: mmap.PAGESIZE] = 0
+
     def view(self, offset: int, length: int) -> npt.NDArray[np.uint8]:
         """``length`` bytes at ``offset``, bounds-checked (no copy)."""
         if offset < 0 or length < 0 or offset + length > self.size:

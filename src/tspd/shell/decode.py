@@ -379,6 +379,8 @@ async def open_decode_peer(
         await register_memory(engine, arena.base, arena.size)
         arena_registered = True
         if region is not None:
+            # Its pages are backed before the first blob lands (no faults then).
+            await trio.to_thread.run_sync(region.prefault)
             await register_memory(engine, region.base, region.size)
     except BaseException:
         status.close()

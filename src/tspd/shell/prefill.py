@@ -516,6 +516,8 @@ async def open_prefill_peer(
         await register_memory(engine, arena.base, arena.size)
         peer._memory_registered = True
         if region is not None:
+            # Its pages are backed before the first blob lands (no faults then).
+            await trio.to_thread.run_sync(region.prefault)
             await register_memory(engine, region.base, region.size)
             region_registered = True
         async with open_peer_nursery(settings.security) as (client, nursery):
