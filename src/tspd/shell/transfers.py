@@ -74,7 +74,14 @@ from tspd.log import component_logger
 from tspd.shell.arena import HostArena
 from tspd.shell.offload import EngineRunner, StartedWrite, wait_step
 
-__all__ = ["STAGED_PART_BYTES", "Staging", "TransferFeedback", "TransferWorkers", "WorkerStats"]
+__all__ = [
+    "STAGED_PARTS_IN_FLIGHT",
+    "STAGED_PART_BYTES",
+    "Staging",
+    "TransferFeedback",
+    "TransferWorkers",
+    "WorkerStats",
+]
 
 log = component_logger("transfer")
 
