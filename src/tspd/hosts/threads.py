@@ -255,7 +255,7 @@ class TrioThread(TrioHost):
         callback runs every post queued by the time it runs (a scheduler that
         registers 256 requests in a row pays one wake-up, not 256)."""
         future: concurrent.futures.Future[T] = LazyFuture()
-        self._enqueue(future, partial(fulfil, future, partial(fn, *args)))
+        self._enqueue(future, partial(fulfil, future, partial(fn, *args) if args else fn))
         return future
 
     def _enqueue(self, waiter: _Failable, run: Callable[[], None]) -> None:

@@ -615,13 +615,14 @@ async def _await_tickets(
     ``_FAST_SLACK_S``, then every ``_SLOW_POLL_S``. The fast checks yield
     through a cancel-shielded checkpoint (a shielded cancel scope costs more than
     a 4 KiB write's worth of checks); only timed sleeps enter a shield."""
-    fast_until = started + 2 * expected + _FAST_SLACK_S
     if expected > _SLEEP_FIRST_S:
         with trio.CancelScope(shield=True):
             await trio.sleep(expected - _WAKE_EARLY_S)
         # Then a check a millisecond: spinning here would take a core from the
         # engine's own threads for the rest of a write that is milliseconds long.
         fast_until = 0.0
+    else:
+        fast_until = started + 2 * expected + _FAST_SLACK_S
     error: TransferError | None = None
     pending = tickets
     while True:
