@@ -73,20 +73,28 @@ async def test_a_cancelled_write_still_finishes_before_returning() -> None:
     assert runner.in_flight == 0
 
 
-class _GateEngine:
-    """A blocking engine that records how many writes run at once."""
+class _NoMemoryEngine:
+    """An engine with nothing to register or close, at ``127.0.0.1:1``."""
 
-    def __init__(self) -> None:
-        self.session_id = "127.0.0.1:1"
-        self._lock = threading.Lock()
-        self.running = 0
-        self.peak = 0
+    session_id = "127.0.0.1:1"
 
     def register_memory(self, addr: int, length: int) -> None:
         pass
 
     def unregister_memory(self, addr: int) -> None:
         pass
+
+    def close(self) -> None:
+        pass
+
+
+class _GateEngine(_NoMemoryEngine):
+    """A blocking engine that records how many writes run at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.running = 0
+        self.peak = 0
 
     def batch_write(
         self, peer_session: str, src: AddressList, dst: AddressList, lengths: AddressList
@@ -97,9 +105,6 @@ class _GateEngine:
         time.sleep(0.05)
         with self._lock:
             self.running -= 1
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("limit", [1, 3])
@@ -368,21 +373,13 @@ async def test_the_limiter_bounds_polled_writes_too() -> None:
     assert bytes(dst[:4]) == bytes(src[:4])
 
 
-class _CountedChecksEngine:
+class _CountedChecksEngine(_NoMemoryEngine):
     """A polling engine whose writes are done on the ``done_at``-th check; records
     the Trio time of every check."""
-
-    session_id = "127.0.0.1:1"
 
     def __init__(self, done_at: int) -> None:
         self.done_at = done_at
         self.checks: list[float] = []
-
-    def register_memory(self, addr: int, length: int) -> None:
-        pass
-
-    def unregister_memory(self, addr: int) -> None:
-        pass
 
     def batch_write(
         self, peer_session: str, src: AddressList, dst: AddressList, lengths: AddressList
@@ -395,9 +392,6 @@ class _CountedChecksEngine:
     def check_write(self, ticket: WriteTicket) -> bool:
         self.checks.append(trio.current_time())
         return len(self.checks) >= self.done_at
-
-    def close(self) -> None:
-        pass
 
 
 async def test_a_long_polled_write_is_checked_once_a_millisecond_after_its_first_sleep(
