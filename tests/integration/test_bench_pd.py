@@ -64,6 +64,9 @@ def test_bench_pd_large_only_prints_the_64_mib_rows_beside_both_raw_limits() -> 
         assert "FAILED" not in value["tspd"], (name, value)
         assert " sync / " in value["raw"], (name, value)
         assert " GB/s pipelined" in value["raw"], (name, value)
+        # Which TCP congestion control the host runs decides how fast a room's
+        # write starts after the pause before it (docs/configuration.md).
+        assert "; host TCP congestion control " in value["raw"], (name, value)
 
 
 def test_a_bare_thread_wake_up_is_timed_from_the_set_to_the_waiter() -> None:

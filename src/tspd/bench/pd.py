@@ -23,7 +23,11 @@ same run, straight through Mooncake and pyzmq with no tspd code in between:
   call, one after another, each busy-spinning its thread) and pipelined as tspd
   writes (batches submitted without waiting, two in flight, waited for without
   spinning). On a 2-core host the spinning sync calls are the slower, so the
-  pipelined figure is the tighter limit.
+  pipelined figure is the tighter limit. Both are timed back to back, while each
+  room's write follows a pause (the forward before it, the byte check after the
+  room before): with BBR as the host's TCP congestion control such a write starts
+  slow (docs/configuration.md, "Host settings"), so the rows' raw column names the
+  host's setting.
 
 With ``--secure`` the rooms/s and hand-over runs are repeated in tspd's secure mode
 (CURVE on every socket, the bootstrap server over TLS with a token;
@@ -60,6 +64,7 @@ from tspd.bench.raw import (
     measure_mooncake,
     measure_thread_wake,
     measure_zmq_rtt,
+    tcp_congestion_control,
 )
 from tspd.demo.orchestrate import DemoOptions, DemoSummary, percentile, run_demo
 from tspd.demo.workload import Workload
@@ -99,6 +104,8 @@ class PdFigures:
     #: (``tspd demo prefill|decode --driver thread``), and a bare thread wake-up.
     thread_latency: DemoSummary | None = None
     thread_wake: ThreadWake | None = None
+    #: The host's TCP congestion control (:func:`~tspd.bench.raw.tcp_congestion_control`).
+    tcp_congestion_control: str = "unknown"
 
 
 def _contract_file(directory: str, pages: int) -> str:
@@ -255,6 +262,7 @@ async def run_pd_bench(
         staged=staged,
         thread_latency=thread_latency,
         thread_wake=thread_wake,
+        tcp_congestion_control=tcp_congestion_control(),
     )
 
 
@@ -339,21 +347,31 @@ def _thread_rows(f: PdFigures, write: str) -> list[tuple[str, str, str]]:
 
 def _large_rows(f: PdFigures) -> list[tuple[str, str, str]]:
     """The 64 MiB rows."""
+    host = _host_tcp(f)
     return [
         (
             "64 MiB room, 16,384 × 4 KiB pages, contiguous",
             f"{_room_gbps(f.contiguous):.3f} GB/s{_ok(f.contiguous)}",
-            f"one 64 MiB write {f.big_write.gbps:.3f} GB/s{_pipelined(f.big_write_pipelined)}",
+            f"one 64 MiB write {f.big_write.gbps:.3f} GB/s"
+            f"{_pipelined(f.big_write_pipelined)}{host}",
         ),
         (
             "64 MiB room, 16,384 × 4 KiB pages, scattered",
             f"{_room_gbps(f.scattered):.3f} GB/s{_ok(f.scattered)}",
             f"16,384 × 4 KiB descriptors {f.big_scattered_write.gbps:.3f} GB/s"
             f"{_pipelined(f.big_scattered_pipelined)}; "
-            f"one 64 MiB write {f.big_write.gbps:.3f} GB/s",
+            f"one 64 MiB write {f.big_write.gbps:.3f} GB/s{host}",
         ),
         *_staged_rows(f),
     ]
+
+
+def _host_tcp(f: PdFigures) -> str:
+    """What the 64 MiB rows' raw column says of the host (after the figures, which
+    readers of ``--json`` take as the first numbers after "one 64 MiB write" and
+    "descriptors"): its TCP congestion control, which decides how fast a room's
+    write starts after the pause before it (see the module docstring)."""
+    return f"; host TCP congestion control {f.tcp_congestion_control}"
 
 
 #: The staged row's name. It says neither "scattered" nor "contiguous": readers of
@@ -372,7 +390,8 @@ def _staged_rows(f: PdFigures) -> list[tuple[str, str, str]]:
             STAGED_ROW,
             f"{_room_gbps(f.staged):.3f} GB/s = {share:.0f} % of one write, "
             f"{staged} of {f.staged.rooms} rooms staged{_ok(f.staged)}",
-            f"one 64 MiB write {f.big_write.gbps:.3f} GB/s{_pipelined(f.big_write_pipelined)}",
+            f"one 64 MiB write {f.big_write.gbps:.3f} GB/s"
+            f"{_pipelined(f.big_write_pipelined)}{_host_tcp(f)}",
         ),
     ]
 

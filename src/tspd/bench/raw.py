@@ -17,6 +17,13 @@ descriptor with short sleeps and then ``get_batch_transfer_status``. On a small
 host the spinning thread takes a core from Mooncake's own threads, so the
 pipelined figure is the higher, and the one a tspd figure can approach.
 
+Both are timed back to back, on a connection that just carried the previous write.
+A write after the connection idled for a tenth of a second or more can be much
+slower when the host's TCP congestion control is BBR (docs/configuration.md,
+"Host settings"): :func:`tcp_congestion_control` says which one the host runs, and
+``tspd bench pd`` prints it beside its 64 MiB rows, whose rooms each start after such
+a pause.
+
 A thread wake-up (:func:`measure_thread_wake`) is the floor of any blocking
 scheduler thread learning something from another thread: one thread sets a
 ``threading.Event`` that another blocks on, timed from just before ``set()`` to
@@ -41,6 +48,7 @@ from typing import Any, Literal
 import numpy as np
 
 __all__ = [
+    "TCP_CONGESTION_CONTROL_PATH",
     "MooncakeLimit",
     "ThreadWake",
     "ZmqLimit",
@@ -49,6 +57,7 @@ __all__ = [
     "measure_mooncake",
     "measure_thread_wake",
     "measure_zmq_rtt",
+    "tcp_congestion_control",
 ]
 
 _HELPER = "from tspd.bench.raw import {fn}; {fn}({args})"
@@ -127,6 +136,23 @@ class MooncakeLimit:
     def gbps(self) -> float:
         """Gigabytes per second at the median call time."""
         return self.nbytes / self.p50 / 1e9
+
+
+#: Where Linux says which TCP congestion control new connections use (this network
+#: namespace's setting, ``sysctl net.ipv4.tcp_congestion_control``).
+TCP_CONGESTION_CONTROL_PATH = "/proc/sys/net/ipv4/tcp_congestion_control"
+
+
+def tcp_congestion_control(path: str = TCP_CONGESTION_CONTROL_PATH) -> str:
+    """The TCP congestion control new connections get on this host (``"bbr"``,
+    ``"cubic"``...), or ``"unknown"`` where the host does not say (not Linux, no
+    ``/proc``)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            name = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return "unknown"
+    return name if name.isidentifier() else "unknown"
 
 
 def _percentile(samples: list[float], q: float) -> float:
