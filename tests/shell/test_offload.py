@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tspd.core.schedule import STEP_MODULUS
 from tspd.engines.base import AddressList, AsyncTransferEngine, TransferError, WriteTicket
-from tspd.shell.offload import EngineRunner, wait_step
+from tspd.shell.offload import EngineRunner, _pieces, wait_step
 from tspd.testing.fake_engine import FakeEngine, FakeFabric
 
 
@@ -410,3 +412,89 @@ async def test_a_long_polled_write_is_checked_once_a_millisecond_after_its_first
     assert engine.checks[0] - started >= 0.004
     gaps = [b - a for a, b in zip(engine.checks, engine.checks[1:], strict=False)]
     assert all(gap >= 0.001 for gap in gaps), gaps
+
+
+class _RecordingEngine(_SubmitRefusingEngine):
+    """A FakeEngine that records every submission as ``(src, dst, length)``."""
+
+    def __init__(self, inner: FakeEngine, refuse_at: int = 0) -> None:
+        super().__init__(inner, refuse_at)
+        self.submissions: list[tuple[int, int, int]] = []
+
+    def submit_write(self, peer_session: str, src: int, dst: int, length: int) -> WriteTicket:
+        self.submissions.append((src, dst, length))
+        return super().submit_write(peer_session, src, dst, length)
+
+
+async def test_a_copy_longer_than_split_bytes_is_submitted_in_equal_pieces() -> None:
+    # Mooncake's TCP transport carries each submitted copy over its own connection:
+    # a long copy goes as several pieces at once (DEFAULT_SPLIT_BYTES).
+    a, b, src, dst = _pair()
+    engine = _RecordingEngine(a)
+    runner = EngineRunner(engine, split_bytes=64)
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    await _warm(runner, b.session_id, s, d)
+    dst[:] = 0
+    await runner.batch_write(b.session_id, [s + 6], [d + 50], [200])
+    assert runner.polled_writes == 1
+    assert engine.submissions == [
+        (s + 6 + offset, d + 50 + offset, 50) for offset in (0, 50, 100, 150)
+    ]
+    assert bytes(dst[50:250]) == bytes(src[6:206])
+    assert not dst[:50].any()
+    assert not dst[250:].any()
+    assert a.pending_writes == 0
+    assert runner.in_flight == 0
+
+
+async def test_a_copy_of_at_most_split_bytes_goes_whole_and_zero_never_splits() -> None:
+    a, b, src, dst = _pair()
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    for split, length, expected in ((64, 64, 1), (64, 65, 2), (0, 256, 1)):
+        engine = _RecordingEngine(a)
+        runner = EngineRunner(engine, split_bytes=split)
+        await _warm(runner, b.session_id, s, d)
+        await runner.batch_write(b.session_id, [s], [d], [length])
+        assert len(engine.submissions) == expected, (split, length, engine.submissions)
+        assert sum(n for _, _, n in engine.submissions) == length
+    with pytest.raises(ValueError, match="split_bytes"):
+        EngineRunner(a, split_bytes=-1)
+
+
+async def test_a_refused_piece_waits_for_the_pieces_already_in_flight() -> None:
+    a, b, src, dst = _pair(latency=0.05)
+    engine = _RecordingEngine(a, refuse_at=3)
+    runner = EngineRunner(engine, split_bytes=64)
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    await _warm(runner, b.session_id, s, d)
+    dst[:] = 0
+    with pytest.raises(TransferError) as err:
+        await runner.batch_write(b.session_id, [s], [d], [256])
+    assert err.value.code == -9
+    assert bytes(dst[:128]) == bytes(src[:128]), "the two pieces before were written"
+    assert not dst[128:].any(), "nothing after the refused piece was submitted"
+    assert a.pending_writes == 0
+    assert runner.in_flight == 0
+
+
+@given(
+    st.integers(min_value=1, max_value=1 << 36),
+    st.integers(min_value=2, max_value=4096),
+    st.integers(min_value=0, max_value=1 << 36),
+)
+def test_pieces_cover_the_copy_in_equal_parts_of_at_most_split_bytes(
+    split: int, count: int, extra: int
+) -> None:
+    # A copy longer than ``split``: ``count`` pieces of it.
+    length = split * (count - 1) + 1 + extra % split
+    pieces = _pieces(length, split)
+    assert len(pieces) == count == -(-length // split)
+    end = 0
+    for offset, size in pieces:  # back to back from 0 to the copy's end
+        assert offset == end
+        end += size
+    assert end == length
+    sizes = {size for _, size in pieces[:-1]}
+    assert len(sizes) <= 1
+    assert all(0 < size <= split for size in sizes)
+    assert 0 < pieces[-1][1] <= pieces[0][1]
