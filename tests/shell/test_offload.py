@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from tspd.core.schedule import STEP_MODULUS
 from tspd.engines.base import AddressList, AsyncTransferEngine, TransferError, WriteTicket
+from tspd.shell import offload
 from tspd.shell.offload import EngineRunner, _pieces, wait_step
 from tspd.testing.fake_engine import FakeEngine, FakeFabric
 
@@ -459,6 +460,23 @@ async def test_a_copy_of_at_most_split_bytes_goes_whole_and_zero_never_splits() 
         assert sum(n for _, _, n in engine.submissions) == length
     with pytest.raises(ValueError, match="split_bytes"):
         EngineRunner(a, split_bytes=-1)
+
+
+async def test_a_write_splits_its_long_copies_only_up_to_a_bound_of_submissions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two 100-byte copies of four pieces each (three more submissions each), with
+    # room for five submissions in all: the first goes in pieces, the second whole.
+    monkeypatch.setattr(offload, "_SPLIT_SUBMISSIONS", 5)
+    a, b, src, dst = _pair()
+    engine = _RecordingEngine(a)
+    runner = EngineRunner(engine, split_bytes=25)
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    await _warm(runner, b.session_id, s, d)
+    await runner.batch_write(b.session_id, [s, s + 100], [d + 100, d], [100, 100])
+    assert [n for _, _, n in engine.submissions] == [25, 25, 25, 25, 100]
+    assert bytes(dst[100:200]) == bytes(src[:100])
+    assert bytes(dst[:100]) == bytes(src[100:200])
 
 
 async def test_a_refused_piece_waits_for_the_pieces_already_in_flight() -> None:

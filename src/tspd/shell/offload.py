@@ -144,6 +144,11 @@ pairs faster, one 0.5 ms slower); a bare 64 MiB write after a 0.4 s pause 33-34 
 in four pieces against 38-42 ms whole, back to back the same (26 ms). 8 MiB pieces
 did no better."""
 
+_SPLIT_SUBMISSIONS: Final = 64
+"""Submissions a polled write grows to at most by splitting its long copies (later
+long copies go whole): the pieces stay well inside Mooncake's per-peer queue
+(``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, 1,024 by default)."""
+
 _MAX_BATCHES_IN_FLIGHT: Final = 8
 """Batches one pipelined write keeps in flight at most (with the default sizes the
 engine's in-flight bound allows two)."""
@@ -587,14 +592,17 @@ class EngineRunner:
             )
         error: TransferError | None = None
         split = self._split
+        spare = _SPLIT_SUBMISSIONS - len(srcs)  # pieces beyond one a copy, at most
         for s, d, n in zip(srcs, dsts, lens, strict=True):
             if n == 0:
                 continue
             try:
-                if not split or n <= split:
+                pieces = _pieces(n, split) if split and n > split else ()
+                if not pieces or len(pieces) - 1 > spare:
                     tickets.append(engine.submit_write(peer_session, s, d, n))
                     continue
-                for offset, size in _pieces(n, split):
+                spare -= len(pieces) - 1
+                for offset, size in pieces:
                     tickets.append(engine.submit_write(peer_session, s + offset, d + offset, size))
             except TransferError as err:
                 error = err
