@@ -597,12 +597,12 @@ class EngineRunner:
             if n == 0:
                 continue
             try:
-                pieces = _pieces(n, split) if split and n > split else ()
-                if not pieces or len(pieces) - 1 > spare:
+                extra = -(-n // split) - 1 if split and n > split else 0  # pieces - 1
+                if not extra or extra > spare:
                     tickets.append(engine.submit_write(peer_session, s, d, n))
                     continue
-                spare -= len(pieces) - 1
-                for offset, size in pieces:
+                spare -= extra
+                for offset, size in _pieces(n, split):
                     tickets.append(engine.submit_write(peer_session, s + offset, d + offset, size))
             except TransferError as err:
                 error = err
