@@ -505,7 +505,7 @@ def test_pieces_cover_the_copy_in_equal_parts_of_at_most_split_bytes(
 ) -> None:
     # A copy longer than ``split``: ``count`` pieces of it.
     length = split * (count - 1) + 1 + extra % split
-    pieces = _pieces(length, split)
+    pieces = _pieces(length, -(-length // split))
     assert len(pieces) == count == -(-length // split)
     end = 0
     for offset, size in pieces:  # back to back from 0 to the copy's end

@@ -602,7 +602,7 @@ class EngineRunner:
                     tickets.append(engine.submit_write(peer_session, s, d, n))
                     continue
                 spare -= extra
-                for offset, size in _pieces(n, split):
+                for offset, size in _pieces(n, extra + 1):
                     tickets.append(engine.submit_write(peer_session, s + offset, d + offset, size))
             except TransferError as err:
                 error = err
@@ -639,11 +639,10 @@ def _always() -> bool:
     return True
 
 
-def _pieces(length: int, split: int) -> list[tuple[int, int]]:
-    """``(offset, size)`` of the pieces a copy of ``length`` bytes longer than
-    ``split`` is submitted as: ``ceil(length / split)`` pieces of equal size, the
+def _pieces(length: int, count: int) -> list[tuple[int, int]]:
+    """``(offset, size)`` of the ``count`` pieces a copy of ``length`` bytes is
+    submitted as, ``count`` being ``ceil(length / split_bytes)``: equal sizes, the
     last one shorter by what does not divide (see :data:`DEFAULT_SPLIT_BYTES`)."""
-    count = -(-length // split)
     size = -(-length // count)
     return [(offset, min(size, length - offset)) for offset in range(0, length, size)]
 
