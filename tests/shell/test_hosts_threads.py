@@ -34,6 +34,7 @@ from tspd.hosts.threads import (
 )
 from tspd.shell.decode import DecodePeer
 from tspd.shell.kv_subscriber import ReceivedBatch
+from tspd.shell.peer import INLINE_CONCLUDE_MAX
 from tspd.shell.prefill import ExtendRow, PrefillOutbox, PrefillPeer, ReleaseRefused
 from tspd.shell.steps import StepCounter
 from tspd.testing.fake_engine import AsyncFakeEngine
@@ -648,6 +649,34 @@ def test_scheduler_calls_that_leave_events_are_concluded_without_the_sweep(
         prefill.abort(3302, "the test ends the request").result(timeout=5)
         assert prefill.wait_for_activity(2.0) is True
         assert [(type(e), e.room) for e in prefill.poll()] == [(Failed, 3302)]
+
+
+def test_with_few_requests_a_call_is_concluded_in_the_call_and_under_load_once_later(
+    pd: LocalPD,
+) -> None:
+    """While at most INLINE_CONCLUDE_MAX requests are tracked, a scheduler call that
+    leaves events is concluded in that call: its events are ready before the Trio
+    thread runs anything else (no pass of the conclusion task). With more tracked,
+    the conclusion task concludes the burst once, after the call."""
+    with open_trio_thread() as host:
+        server = host.enter(pd.bootstrap_server())
+        prefill = ThreadedPrefill(host, host.enter(pd.prefill_peer(server.address)))
+        peer = prefill.peer
+
+        def register_and_abort(room: int, also: int) -> list[Event]:
+            for extra in range(also):
+                peer.register_request(f"bystander-{room}-{extra}", room + 1 + extra)
+            peer.register_request(f"r{room}", room)
+            peer.abort(room, "the test ends the request")
+            return peer.take_ready()  # no checkpoint since the abort
+
+        events = host.call_sync(register_and_abort, 3400, 0)
+        assert [(type(e), e.room) for e in events] == [(Failed, 3400)]
+        # More requests than a conclusion in the call is worth: the task concludes.
+        assert INLINE_CONCLUDE_MAX < 12
+        assert host.call_sync(register_and_abort, 3500, 12) == []
+        assert prefill.wait_for_activity(2.0) is True
+        assert [(type(e), e.room) for e in prefill.poll()] == [(Failed, 3500)]
 
 
 def test_a_wake_carries_its_events_and_poll_takes_them_without_a_crossing(

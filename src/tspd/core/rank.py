@@ -154,6 +154,11 @@ class RankCore(ABC, Generic[R, C]):
         """The room's state on this rank (``ABSENT`` if it has none)."""
         return self._rooms.state(room)
 
+    def tracked_requests(self) -> int:
+        """How many requests this rank tracks: what a poll's values and a
+        conclusion go over."""
+        return len(self._requests)
+
     def event_pending(self, rid: str | None) -> bool:
         """Whether a poll now would bring request ``rid`` an event -- its
         ``Bootstrapped``, its success or its failure -- with no further input and no

@@ -32,6 +32,7 @@ then the bootstrap client and the task nursery.
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -56,6 +57,7 @@ from tspd.shell.zmq import MAX_MESSAGE_FRAMES, TrioSocket, bind_free_port, open_
 
 __all__ = [
     "EAGER_SWEEP_S",
+    "INLINE_CONCLUDE_MAX",
     "RECENT_FAILURES",
     "PeerCore",
     "PeerSettings",
@@ -76,6 +78,14 @@ RECENT_FAILURES: Final = 1024
 #: this, without its polls crossing into the Trio thread. The timeouts it serves
 #: are seconds long.
 EAGER_SWEEP_S: Final = 0.05
+
+#: With eager conclusion, input that arrives while at most this many requests are
+#: tracked is concluded at once, in the step that brought it, rather than by the
+#: conclusion task a scheduler pass later. A conclusion goes over every tracked
+#: request, so under load one per burst of input is the cheaper; with a few
+#: requests the task's extra step costs more than the conclusion itself, and delays
+#: the event by a pass of the Trio loop.
+INLINE_CONCLUDE_MAX: Final = 8
 
 #: The side's command union.
 CmdT = TypeVar("CmdT", bound=Command)
@@ -109,6 +119,8 @@ class PeerCore(ObservedCore, Protocol[CmdT_co]):
     def conclude(self, agreed: Sequence[int], now: float) -> list[Event]: ...
 
     def has_in_flight(self) -> bool: ...
+
+    def tracked_requests(self) -> int: ...
 
     def room_state(self, room: int) -> RoomState: ...
 
@@ -206,8 +218,10 @@ class RankPeer(ABC, Generic[CmdT]):
         self._conclude_due = trio.Event()
         #: Seconds at most between eager conclusions while requests are in flight.
         self.eager_sweep: float = EAGER_SWEEP_S
-        #: The conclusion task concludes every ``eager_sweep`` (requests in flight).
-        self._sweeping = False
+        #: The eager conclusion task's wait: its deadline is ``eager_sweep`` after
+        #: the wait began while requests are in flight, else none (``None`` while
+        #: the task does not wait, or eager conclusion is off).
+        self._sweep: trio.CancelScope | None = None
         #: Wakes signalled, and how many of them had been signalled when a poll last
         #: took the kept events: a wake whose events were taken is not waited for.
         self._signalled = 0
@@ -221,21 +235,27 @@ class RankPeer(ABC, Generic[CmdT]):
         marks input from outside the scheduler (a message, a transfer outcome, a
         lookup, a timer), ``due`` a scheduler call after which a poll would have
         events (the core's ``event_pending``). With eager conclusion either is
-        concluded by the
-        conclusion task, or here at the end with ``conclude`` (the receive task,
-        after a message batch)."""
+        concluded here at the end: with ``conclude`` (the receive task, after a
+        message batch) or while at most :data:`INLINE_CONCLUDE_MAX` requests are
+        tracked; else by the conclusion task, once for the burst."""
         if activity or due:
             if self._eager:
                 self._due = True  # a conclusion, then the waiters' wake, follows
                 if not conclude:
-                    self._conclude_due.set()
+                    if self.core.tracked_requests() <= INLINE_CONCLUDE_MAX:
+                        conclude = True
+                    else:
+                        self._conclude_due.set()
             elif activity:
                 self._signal_activity()
-        elif self._eager and not self._sweeping:
-            self._conclude_due.set()  # the conclusion task starts sweeping if need be
         self._execute_queued()
         self.observer.finished(self.core.drain_finished())
         self._timer.poke()
+        sweep = self._sweep
+        if sweep is not None and sweep.deadline == math.inf and self.core.has_in_flight():
+            # Requests in flight: the conclusion task sweeps from now on (a deadline
+            # on its wait, so it need not wake for it now).
+            sweep.deadline = trio.current_time() + self.eager_sweep
         if conclude:
             self._conclude_if_due()
 
@@ -280,29 +300,32 @@ class RankPeer(ABC, Generic[CmdT]):
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """The eager conclusion task: once per burst of input or due scheduler
-        calls that the receive task did not conclude already (transfer outcomes,
-        lookups, timers, a registration whose room is past bootstrapping: whatever
-        arrived before it runs), and at least every
-        :data:`EAGER_SWEEP_S` while requests are in flight, conclude a poll and keep
-        its events for the next :meth:`poll`; then wake the waiters, only when that
-        brought events."""
+        calls that were not concluded where they arrived (transfer outcomes,
+        lookups, timers, a registration whose room is past bootstrapping, while
+        more than :data:`INLINE_CONCLUDE_MAX` requests are tracked: whatever
+        arrived before it runs), and at least every :data:`EAGER_SWEEP_S` while
+        requests are in flight, conclude a poll and keep its events for the next
+        :meth:`poll`; then wake the waiters, only when that brought events. Its
+        wait has no deadline while nothing is in flight; the pump that brings the
+        first request sets one, without waking it."""
         task_status.started()
         while True:
-            self._sweeping = self._eager and self.core.has_in_flight()
-            if self._sweeping:
-                with trio.move_on_after(self.eager_sweep) as sweep:
-                    await self._conclude_due.wait()
-                if sweep.cancelled_caught:
-                    self._due = True  # time passed: a timeout may have come
-            else:
+            with trio.CancelScope() as sweep:
+                if self._eager:
+                    self._sweep = sweep  # _pump sets its deadline once requests come
+                    if self.core.has_in_flight():
+                        sweep.deadline = trio.current_time() + self.eager_sweep
                 await self._conclude_due.wait()
+            self._sweep = None
+            if sweep.cancelled_caught:
+                self._due = True  # time passed: a timeout may have come
             self._conclude_due = trio.Event()
             self._conclude_if_due()
 
     def _conclude_if_due(self) -> None:
-        """The eager conclusion, if input arrived since the last one (the receive
-        task's pump runs it at once after a batch; the conclusion task after the
-        rest)."""
+        """The eager conclusion, if input arrived since the last one (the pump runs
+        it at once after a received batch, or any input while few requests are
+        tracked; the conclusion task after the rest)."""
         if not self._due:
             return
         self._due = False
