@@ -69,3 +69,30 @@ def test_the_64_mib_rows_name_the_hosts_setting_after_their_raw_figures() -> Non
     assert _numbers(scattered.split("descriptors")[-1])[0] == pytest.approx(
         BIG / 0.500 / 1e9, abs=1e-3
     )
+
+
+def test_a_row_with_a_failed_room_says_why_the_first_one_failed() -> None:
+    failed = DemoSummary(
+        rooms=2,
+        succeeded=0,
+        failed=2,
+        reasons={2: "second reason", 1: "Mooncake write of 67108864 bytes failed"},
+    )
+    figures = PdFigures(
+        throughput=None,
+        latency=None,
+        contiguous=failed,
+        scattered=DemoSummary(rooms=1, failed=1, errors=["decode-0 exited with code 1"]),
+        in_flight=256,
+        small_write=None,
+        big_write=MooncakeLimit(BIG, 1, p50=0.040, p99=0.050),
+        big_scattered_write=MooncakeLimit(BIG, 16384, p50=0.500, p99=0.600),
+        zmq=None,
+    )
+    table = {name: tspd for name, tspd, _ in rows(figures)}
+    assert table["64 MiB room, 16,384 × 4 KiB pages, contiguous"] == (
+        "nan GB/s (2 rooms FAILED: room 1: Mooncake write of 67108864 bytes failed)"
+    )
+    assert table["64 MiB room, 16,384 × 4 KiB pages, scattered"].endswith(
+        "(1 rooms FAILED: decode-0 exited with code 1)"
+    )

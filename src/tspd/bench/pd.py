@@ -279,7 +279,18 @@ def _room_gbps(summary: DemoSummary) -> float:
 
 
 def _ok(summary: DemoSummary) -> str:
-    return "" if summary.ok else f" ({summary.failed} rooms FAILED)"
+    """Nothing when every room passed; else the count of failed rooms, with the
+    first one's reason (or the run's first error), so a failed row says why."""
+    if summary.ok:
+        return ""
+    if summary.reasons:
+        room, reason = min(summary.reasons.items())
+        why = f": room {room}: {reason}"
+    elif summary.errors:
+        why = f": {summary.errors[0]}"
+    else:
+        why = ""
+    return f" ({summary.failed} rooms FAILED{why[:300]})"
 
 
 def rows(figures: PdFigures) -> list[tuple[str, str, str]]:
