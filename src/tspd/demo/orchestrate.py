@@ -3,9 +3,12 @@
 :func:`run_demo` starts, on 127.0.0.1 unless told otherwise:
 
 1. ``tspd bootstrap-server`` and waits for its address;
-2. one ``tspd demo prefill`` process per Prefill TP rank (they agree over ZMQ) and
-   waits until each has registered with the bootstrap server;
-3. one ``tspd demo decode`` process per Decode TP rank;
+2. one ``tspd demo prefill`` process per Prefill TP rank (they agree over ZMQ);
+3. one ``tspd demo decode`` process per Decode TP rank, at once (each waits until
+   the bootstrap server knows every Prefill rank: a Prefill rank registers its
+   requests as soon as it is ready, and their bootstrap timeout should not also
+   cover a Decode process's start), and waits until each Prefill rank has
+   registered with the bootstrap server;
 
 then follows their JSON-line reports (:mod:`tspd.demo.report`) with a progress
 display and returns a :class:`DemoSummary`: rooms succeeded and failed, rooms/s,
@@ -411,13 +414,10 @@ async def run_demo(
                             await spawn(nursery, name, argv, on_record, log_dir, env(name))
                         )
                     roles.extend(prefill)
-                    for role in prefill:
-                        await role.ready.wait()
-                        ready = [r for r in role.records if r.get("event") == "ready"]
-                        if not ready or not ready[0].get("registered"):
-                            raise _Abort(
-                                f"{role.name} did not start or register:\n{role.log_tail()}"
-                            )
+                    # The Decode ranks start now, beside the Prefill ranks (each waits
+                    # for the Prefill instance itself): the Prefill registers its
+                    # requests as soon as it is ready, and their bootstrap timeout
+                    # should not run through a whole Decode start on a busy host.
                     decode_agree = ",".join(
                         f"tcp://{opts.host}:{free_port(opts.host)}" for _ in range(opts.decode_tp)
                     )
@@ -439,6 +439,13 @@ async def run_demo(
                             await spawn(nursery, name, argv, on_record, log_dir, env(name))
                         )
                     roles.extend(decode)
+                    for role in prefill:
+                        await role.ready.wait()
+                        ready = [r for r in role.records if r.get("event") == "ready"]
+                        if not ready or not ready[0].get("registered"):
+                            raise _Abort(
+                                f"{role.name} did not start or register:\n{role.log_tail()}"
+                            )
                     for role in prefill + decode:
                         await role.finished.wait()
                         if role.process.returncode not in (0, 1):

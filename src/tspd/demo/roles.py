@@ -621,7 +621,7 @@ async def _wait_for_prefill(opts: RoleOptions, reporter: Reporter, limit: float 
                             f"waiting for the Prefill instance at {opts.bootstrap}: {err}"
                         )
                         announced = True
-                await trio.sleep(0.2)
+                await trio.sleep(0.05)
     raise ConfigError(
         f"the Prefill instance at {opts.bootstrap} did not become ready within {limit:.0f}s"
     )
