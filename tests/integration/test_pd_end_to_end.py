@@ -170,6 +170,8 @@ async def test_demo_reports_every_room_failed_when_the_bytes_differ(
     [session] = sessions.values()
     assert session["rooms"] == 6
     assert session["first_room"] == 5100
+    # The ranks' last log lines come with it (tspd bench pd prints them in the row).
+    assert "failed 6 of 6 rooms" in summary.role_logs["decode-0"], summary.role_logs
 
 
 async def test_demo_without_speculative_candidates() -> None:

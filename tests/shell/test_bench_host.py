@@ -77,6 +77,7 @@ def test_a_row_with_a_failed_room_says_why_the_first_one_failed() -> None:
         succeeded=0,
         failed=2,
         reasons={2: "second reason", 1: "Mooncake write of 67108864 bytes failed"},
+        role_logs={"prefill-0": "E1202 tcp_transport.cpp] failed to read WRITE ack"},
     )
     figures = PdFigures(
         throughput=None,
@@ -91,8 +92,32 @@ def test_a_row_with_a_failed_room_says_why_the_first_one_failed() -> None:
     )
     table = {name: tspd for name, tspd, _ in rows(figures)}
     assert table["64 MiB room, 16,384 × 4 KiB pages, contiguous"] == (
-        "nan GB/s (2 rooms FAILED: room 1: Mooncake write of 67108864 bytes failed)"
+        "nan GB/s (2 rooms FAILED: room 1: Mooncake write of 67108864 bytes failed; "
+        "prefill-0 log: E1202 tcp_transport.cpp] failed to read WRITE ack)"
     )
     assert table["64 MiB room, 16,384 × 4 KiB pages, scattered"].endswith(
         "(1 rooms FAILED: decode-0 exited with code 1)"
     )
+
+
+def test_a_failed_rows_log_tails_are_bounded() -> None:
+    summary = DemoSummary(
+        rooms=1, failed=1, reasons={1: "r" * 5000}, role_logs={"decode-0": "x" * 5000}
+    )
+    figures = PdFigures(
+        throughput=None,
+        latency=None,
+        contiguous=summary,
+        scattered=summary,
+        in_flight=256,
+        small_write=None,
+        big_write=MooncakeLimit(BIG, 1, p50=0.040, p99=0.050),
+        big_scattered_write=MooncakeLimit(BIG, 16384, p50=0.500, p99=0.600),
+        zmq=None,
+    )
+    row = {name: tspd for name, tspd, _ in rows(figures)}[
+        "64 MiB room, 16,384 × 4 KiB pages, contiguous"
+    ]
+    assert len(row) < 1500, len(row)
+    assert row.endswith("x)")
+    assert "decode-0 log: ..." in row

@@ -280,17 +280,29 @@ def _room_gbps(summary: DemoSummary) -> float:
 
 def _ok(summary: DemoSummary) -> str:
     """Nothing when every room passed; else the count of failed rooms, with the
-    first one's reason (or the run's first error), so a failed row says why."""
+    first one's reason (or the run's first error) and the last lines of each rank's
+    log, so a failed row says why."""
     if summary.ok:
         return ""
     if summary.reasons:
         room, reason = min(summary.reasons.items())
-        why = f": room {room}: {reason}"
+        why = f": room {room}: {reason}"[:_WHY_CHARS]
     elif summary.errors:
-        why = f": {summary.errors[0]}"
+        why = f": {summary.errors[0]}"[:_WHY_CHARS]
     else:
         why = ""
-    return f" ({summary.failed} rooms FAILED{why[:300]})"
+    logs = "".join(
+        f"; {name} log: ...{tail[-_LOG_CHARS:]}"
+        if len(tail) > _LOG_CHARS
+        else f"; {name} log: {tail}"
+        for name, tail in sorted(summary.role_logs.items())
+    )
+    return f" ({summary.failed} rooms FAILED{why}{logs})"
+
+
+#: How much of a failed row's first reason, and of each rank's log tail, it shows.
+_WHY_CHARS = 300
+_LOG_CHARS = 1000
 
 
 def rows(figures: PdFigures) -> list[tuple[str, str, str]]:

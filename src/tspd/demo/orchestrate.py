@@ -123,6 +123,9 @@ class DemoSummary:
     #: each with its count of failed rooms and first failure (the ranks' ``done``
     #: reports, :class:`~tspd.demo.failures.SessionFailures`).
     failed_sessions: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    #: When rooms failed: the last lines each Prefill and Decode rank wrote to its
+    #: log (tspd's warnings, the engine's errors), by rank name.
+    role_logs: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -164,6 +167,7 @@ class DemoSummary:
             "failures": {str(room): reason for room, reason in sorted(self.reasons.items())[:20]},
             "failure_traces": {str(room): traces for room, traces in self.traces.items()},
             "failed_sessions": self.failed_sessions,
+            "role_logs": self.role_logs,
             "metrics": self.metrics,
             "errors": self.errors,
         }
@@ -460,6 +464,11 @@ async def run_demo(
             finally:
                 _stop(roles)
         _summarise(summary, opts, roles, decode_rooms, prefill_rooms, handovers)
+        if summary.failed:
+            for role in roles:
+                tail = role.log_tail(_FAILED_LOG_LINES).strip() if role.name != "bootstrap" else ""
+                if tail:
+                    summary.role_logs[role.name] = tail
     return summary
 
 
@@ -479,6 +488,8 @@ def _demo_keys(opts: DemoOptions, directory: str) -> KeyFiles:
 
 #: Failed rooms whose traces the summary keeps.
 _TRACED_FAILURES = 5
+#: Lines of each rank's log the summary keeps when rooms failed.
+_FAILED_LOG_LINES = 8
 
 
 def _summarise(
