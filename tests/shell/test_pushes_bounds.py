@@ -14,6 +14,7 @@ import zmq
 from pd_helpers import ClosedPorts, open_fds, wait_until
 
 from tspd.shell import pushes
+from tspd.shell.ports import free_port
 from tspd.shell.pushes import RECONNECT_IVL_MAX_MS, PushPool, endpoint_url
 from tspd.shell.zmq import TrioSocket, bind_free_port, open_socket
 
@@ -138,6 +139,49 @@ async def test_a_released_route_lingers_briefly_so_its_last_message_still_arrive
         clock[0] += 1.0
         pool.release("127.0.0.1", port)
         assert (pool.stats.sockets, pool.stats.opened, pool.stats.closed) == (0, 2, 2)
+
+
+async def test_a_message_sent_just_before_the_pool_stops_still_arrives(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """A peer that stops right after its last message -- a Prefill whose last room
+    just succeeded -- still delivers it. Here the receiver binds only 50 ms into
+    the stop, so libzmq connects on its 100 ms retry, well after the close: the
+    socket lingers for the rest of the flush window and the stop waits for it."""
+    port = free_port("127.0.0.1")
+    pool = PushPool(ctx, name="test", max_sockets=4)
+    pull = open_socket(ctx, zmq.PULL)
+
+    async def bind_later() -> None:
+        await trio.sleep(0.05)
+        pull.sock.bind(endpoint_url("127.0.0.1", port))
+
+    async with pull:
+        async with trio.open_nursery() as nursery, _running(pool):
+            pool.send_nowait("127.0.0.1", port, [b"room 1: success"])
+            nursery.start_soon(bind_later)
+        assert await _received(pull) == [b"room 1: success"]
+    assert pool.stats.sockets == 0
+
+
+async def test_a_pool_whose_last_send_is_old_stops_without_waiting(
+    ctx: zmq.Context[zmq.Socket[bytes]], clock: list[float], autojump_clock: trio.abc.Clock
+) -> None:
+    ((pull, port),) = _pulls(ctx, 1)
+    pool = PushPool(ctx, name="test", max_sockets=4)
+    async with pull:
+        async with _running(pool):
+            pool.send_nowait("127.0.0.1", port, [b"old"])
+            clock[0] += 0.1
+            pool.send_nowait("127.0.0.1", port + 1, [b"recent"])
+            clock[0] += pushes.FLUSH_WINDOW_S - 0.05
+            started = trio.current_time()
+        # Only the second socket's window was left: 50 ms of it.
+        assert trio.current_time() - started == pytest.approx(0.05)
+        async with _running(pool):
+            clock[0] += 1.0
+            started = trio.current_time()
+        assert trio.current_time() == started
 
 
 async def test_more_endpoints_than_the_bound_within_the_flush_window_are_counted_and_logged(

@@ -350,7 +350,7 @@ class PushPool:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep the pool open until cancelled, closing idle sockets every quarter of
-        the TTL (at most every 15 s); then close every socket."""
+        the TTL (at most every 15 s); then close every socket (:meth:`_close_all`)."""
         self._open = True
         task_status.started()
         try:
@@ -359,8 +359,31 @@ class PushPool:
                 await trio.sleep(every)
                 self.sweep()
         finally:
-            self._open = False
-            for entry in self._sockets.values():
+            await self._close_all()
+
+    async def _close_all(self) -> None:
+        """Close every socket as the peer stops, keeping what was just handed over: a
+        socket that sent within ``flush_window`` lingers for the rest of it, as a
+        released one does, and the pool waits until every lingering socket's window
+        has passed (at most ``flush_window``, shielded from the stop's cancel).
+        libzmq sends a lingering socket's messages from its I/O thread, which ends
+        with the process: without the wait, a peer that stops right after its last
+        message -- a Prefill whose last room just succeeded, on a socket still
+        connecting -- loses it, and the Decode waits out its waiting timeout for a
+        room whose bytes arrived."""
+        self._open = False
+        now = _now()
+        until = max(self._lingering, default=now)
+        for entry in self._sockets.values():
+            left = self._window - (now - entry.last)
+            if left > 0:
+                entry.sock.close(linger=math.ceil(left * 1000))
+                until = max(until, now + left)
+            else:
                 entry.sock.close()
-            self._sockets.clear()
-            self._count()
+        self._sockets.clear()
+        self._lingering.clear()
+        self._count()
+        if until > now:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(until - now)
