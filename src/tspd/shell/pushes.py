@@ -23,7 +23,8 @@ there, and a socket to a peer that is gone reconnects forever. So
 A closed route reopens on its next message. Closing keeps what was just handed
 over: a released socket that sent within the last ``flush_window`` seconds
 lingers (libzmq's ``ZMQ_LINGER``) for the rest of that window, so a failure
-notice queued just before still reaches a connected peer. Only when more than
+notice queued just before still reaches a connected peer; so does every such
+socket when the peer stops, and the stop waits for them. Only when more than
 ``max_sockets`` endpoints were used within one such window does the least
 recently used socket go at once (counted and logged: raise ``max_sockets``).
 
