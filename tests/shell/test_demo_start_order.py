@@ -1,4 +1,5 @@
-"""The demo starts its Decode ranks beside its Prefill ranks, not after them.
+"""The demo starts its Decode ranks beside its Prefill ranks, not after them, and
+its bootstrap server on a port the OS picks.
 
 A Prefill rank registers its requests as soon as it is ready, and each request's
 bootstrap timeout runs from there; a Decode rank started only then would spend that
@@ -37,6 +38,7 @@ class _Spawns:
 
     names: list[str] = field(default_factory=list)
     roles: dict[str, RoleProcess] = field(default_factory=dict)
+    argvs: dict[str, list[str]] = field(default_factory=dict)
 
     async def spawn(
         self,
@@ -48,13 +50,14 @@ class _Spawns:
         extra_env: Mapping[str, str] | None = None,
     ) -> RoleProcess:
         self.names.append(name)
+        self.argvs[name] = list(argv)
         log = Path(log_dir) / f"{name}.log"
         log.write_text("")
         running = _Process(returncode=None if name == "bootstrap" else 0)
         role = RoleProcess(name, running, str(log))  # type: ignore[arg-type]
         self.roles[name] = role
         if name == "bootstrap":
-            role.records.append({"event": "ready"})
+            role.records.append({"event": "ready", "address": "127.0.0.1:40401"})
             role.ready.set()
         if name.startswith("decode"):
             for prefill in (r for n, r in self.roles.items() if n.startswith("prefill")):
@@ -96,3 +99,20 @@ async def test_a_prefill_rank_that_does_not_register_still_stops_the_demo(
         DemoOptions(workload=Workload(rooms=range(1, 2)), prefill_tp=1, decode_tp=1, timeout=5)
     )
     assert any("prefill-0 did not start or register" in e for e in summary.errors), summary
+
+
+async def test_the_bootstrap_server_binds_a_port_the_os_picks_and_the_ranks_get_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not a port probed free first (another process could take it before the server
+    binds it): ``--port 0``, and the ranks are given the address the server reports."""
+    spawns = _Spawns()
+    monkeypatch.setattr(orchestrate, "spawn", spawns.spawn)
+    await run_demo(
+        DemoOptions(workload=Workload(rooms=range(1, 2)), prefill_tp=1, decode_tp=1, timeout=5)
+    )
+    server = spawns.argvs["bootstrap"]
+    assert server[server.index("--port") + 1] == "0"
+    for rank in ("prefill-0", "decode-0"):
+        argv = spawns.argvs[rank]
+        assert argv[argv.index("--bootstrap") + 1] == "127.0.0.1:40401"

@@ -381,22 +381,24 @@ async def run_demo(
         async with trio.open_nursery() as nursery:
             try:
                 with trio.move_on_after(opts.timeout) as scope:
-                    bootstrap_port = free_port(opts.host)
+                    # Port 0: the server binds a port the OS picks and reports it (a
+                    # port probed free here could be taken before the server binds it).
                     server = await spawn(
                         nursery,
                         "bootstrap",
-                        tspd_argv(
-                            "bootstrap-server", "--host", opts.host, "--port", str(bootstrap_port)
-                        ),
+                        tspd_argv("bootstrap-server", "--host", opts.host, "--port", "0"),
                         on_record,
                         log_dir,
                         env(None, server=True),
                     )
                     roles.append(server)
                     await server.ready.wait()
-                    if server.process.returncode is not None:
+                    addresses = [
+                        r.get("address") for r in server.records if r.get("event") == "ready"
+                    ]
+                    if server.process.returncode is not None or not addresses or not addresses[0]:
                         raise _Abort(f"the bootstrap server exited:\n{server.log_tail()}")
-                    bootstrap = f"{opts.host}:{bootstrap_port}"
+                    bootstrap = str(addresses[0])
                     prefill_agree = ",".join(
                         f"tcp://{opts.host}:{free_port(opts.host)}" for _ in range(opts.prefill_tp)
                     )
