@@ -167,21 +167,22 @@ async def test_a_message_sent_just_before_the_pool_stops_still_arrives(
 async def test_a_pool_whose_last_send_is_old_stops_without_waiting(
     ctx: zmq.Context[zmq.Socket[bytes]], clock: list[float], autojump_clock: trio.abc.Clock
 ) -> None:
-    ((pull, port),) = _pulls(ctx, 1)
+    (pull, port), (other, other_port) = _pulls(ctx, 2)
     pool = PushPool(ctx, name="test", max_sockets=4)
-    async with pull:
+    async with pull, other:
+        async with _running(pool):
+            pool.send_nowait("127.0.0.1", port, [b"old"])
+            clock[0] += 1.0
+            started = trio.current_time()
+        assert trio.current_time() == started, "nothing sent within the window: no wait"
         async with _running(pool):
             pool.send_nowait("127.0.0.1", port, [b"old"])
             clock[0] += 0.1
-            pool.send_nowait("127.0.0.1", port + 1, [b"recent"])
+            pool.send_nowait("127.0.0.1", other_port, [b"recent"])
             clock[0] += pushes.FLUSH_WINDOW_S - 0.05
             started = trio.current_time()
         # Only the second socket's window was left: 50 ms of it.
         assert trio.current_time() - started == pytest.approx(0.05)
-        async with _running(pool):
-            clock[0] += 1.0
-            started = trio.current_time()
-        assert trio.current_time() == started
 
 
 async def test_more_endpoints_than_the_bound_within_the_flush_window_are_counted_and_logged(
