@@ -254,14 +254,22 @@ class PushPool:
             return
         now = _now()
         self._prune_lingering(now)
-        left = self._window - (now - entry.last)
-        if left > 0 and len(self._lingering) < self._max // 2:
-            entry.sock.close(linger=math.ceil(left * 1000))
-            heapq.heappush(self._lingering, now + left)
-        else:
-            entry.sock.close()
+        gone = self._close(entry, now, may_linger=len(self._lingering) < self._max // 2)
+        if gone > now:
+            heapq.heappush(self._lingering, gone)
         self.stats.closed += 1
         self._count()
+
+    def _close(self, entry: _Entry, now: float, *, may_linger: bool = True) -> float:
+        """Close ``entry``'s socket; one that sent within ``flush_window`` lingers for
+        the rest of it (when ``may_linger``). Returns when it is gone at the latest
+        (``now``: at once)."""
+        left = self._window - (now - entry.last)
+        if left > 0 and may_linger:
+            entry.sock.close(linger=math.ceil(left * 1000))
+            return now + left
+        entry.sock.close()
+        return now
 
     def holds(self, endpoint: str, port: int) -> bool:
         """Whether a socket to ``endpoint:port`` is open (not lingering)."""
@@ -376,12 +384,7 @@ class PushPool:
         now = _now()
         until = max(self._lingering, default=now)
         for entry in self._sockets.values():
-            left = self._window - (now - entry.last)
-            if left > 0:
-                entry.sock.close(linger=math.ceil(left * 1000))
-                until = max(until, now + left)
-            else:
-                entry.sock.close()
+            until = max(until, self._close(entry, now))
         self._sockets.clear()
         self._lingering.clear()
         self._count()
