@@ -467,10 +467,9 @@ async def run_demo(
                 _stop(roles)
         _summarise(summary, opts, roles, decode_rooms, prefill_rooms, handovers)
         if summary.failed:
-            for role in roles:
-                tail = role.log_tail(_FAILED_LOG_LINES).strip() if role.name != "bootstrap" else ""
-                if tail:
-                    summary.role_logs[role.name] = tail
+            ranks = roles[1:]  # roles[0] is the bootstrap server
+            tails = {r.name: r.log_tail(_FAILED_LOG_LINES).strip() for r in ranks}
+            summary.role_logs = {name: tail for name, tail in tails.items() if tail}
     return summary
 
 
