@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,17 +40,27 @@ def _numbers(text: str) -> list[float]:
     return [float(x.replace(",", "")) for x in re.findall(r"\d[\d,]*\.?\d*", text)]
 
 
-def test_the_64_mib_rows_name_the_hosts_setting_after_their_raw_figures() -> None:
-    figures = PdFigures(
+def _large(contiguous: DemoSummary, scattered: DemoSummary, **more: Any) -> PdFigures:
+    """Figures of a ``--large-only`` run: the two in-place rooms, the sync raw
+    limits, and ``more`` (pipelined limits, the staged room, the host's setting)."""
+    return PdFigures(
         throughput=None,
         latency=None,
-        contiguous=_room(0.050),
-        scattered=_room(0.600),
+        contiguous=contiguous,
+        scattered=scattered,
         in_flight=256,
         small_write=None,
         big_write=MooncakeLimit(BIG, 1, p50=0.040, p99=0.050),
         big_scattered_write=MooncakeLimit(BIG, 16384, p50=0.500, p99=0.600),
         zmq=None,
+        **more,
+    )
+
+
+def test_the_64_mib_rows_name_the_hosts_setting_after_their_raw_figures() -> None:
+    figures = _large(
+        _room(0.050),
+        _room(0.600),
         big_write_pipelined=MooncakeLimit(BIG, 1, p50=0.030, p99=0.040, mode="pipelined"),
         big_scattered_pipelined=MooncakeLimit(BIG, 16384, p50=0.400, p99=0.500, mode="pipelined"),
         staged=_room(0.080),
@@ -79,17 +90,7 @@ def test_a_row_with_a_failed_room_says_why_the_first_one_failed() -> None:
         reasons={2: "second reason", 1: "Mooncake write of 67108864 bytes failed"},
         role_logs={"prefill-0": "E1202 tcp_transport.cpp] failed to read WRITE ack"},
     )
-    figures = PdFigures(
-        throughput=None,
-        latency=None,
-        contiguous=failed,
-        scattered=DemoSummary(rooms=1, failed=1, errors=["decode-0 exited with code 1"]),
-        in_flight=256,
-        small_write=None,
-        big_write=MooncakeLimit(BIG, 1, p50=0.040, p99=0.050),
-        big_scattered_write=MooncakeLimit(BIG, 16384, p50=0.500, p99=0.600),
-        zmq=None,
-    )
+    figures = _large(failed, DemoSummary(rooms=1, failed=1, errors=["decode-0 exited with code 1"]))
     table = {name: tspd for name, tspd, _ in rows(figures)}
     assert table["64 MiB room, 16,384 × 4 KiB pages, contiguous"] == (
         "nan GB/s (2 rooms FAILED: room 1: Mooncake write of 67108864 bytes failed; "
@@ -104,17 +105,7 @@ def test_a_failed_rows_log_tails_are_bounded() -> None:
     summary = DemoSummary(
         rooms=1, failed=1, reasons={1: "r" * 5000}, role_logs={"decode-0": "x" * 5000}
     )
-    figures = PdFigures(
-        throughput=None,
-        latency=None,
-        contiguous=summary,
-        scattered=summary,
-        in_flight=256,
-        small_write=None,
-        big_write=MooncakeLimit(BIG, 1, p50=0.040, p99=0.050),
-        big_scattered_write=MooncakeLimit(BIG, 16384, p50=0.500, p99=0.600),
-        zmq=None,
-    )
+    figures = _large(summary, summary)
     row = {name: tspd for name, tspd, _ in rows(figures)}[
         "64 MiB room, 16,384 × 4 KiB pages, contiguous"
     ]
