@@ -40,6 +40,7 @@ manager of their own.
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -665,6 +666,10 @@ class PageAllocator:
         self._rng = random.Random(0) if rng is None else rng
         self._contiguous = contiguous
         self._free = {gid: set(range(1, contract.page_count(gid))) for gid in contract.group_ids}
+        #: Contiguous mode: per group, a min-heap over the free ids (entries of ids
+        #: taken since are skipped when popped), so a request's lowest free ids cost
+        #: O(pages taken × log pages), not a sort of every free page.
+        self._lowest = {gid: sorted(free) if contiguous else [] for gid, free in self._free.items()}
 
     def free_pages(self, group_id: str) -> int:
         """How many pages of ``group_id`` are free."""
@@ -692,7 +697,7 @@ class PageAllocator:
         for gid, slots in windows.items():
             free = self._free[gid]
             if self._contiguous:
-                picked = sorted(free)[: len(slots)]
+                picked = self._take_lowest(gid, len(slots))
             else:
                 picked = self._rng.sample(sorted(free), len(slots))
             free.difference_update(picked)
@@ -705,4 +710,15 @@ class PageAllocator:
     def release(self, tables: Mapping[str, Sequence[int]]) -> None:
         """Return a request's pages (ids ≤ 0 are padding, not pages)."""
         for gid, row in tables.items():
-            self._free[gid].update(int(block) for block in row if block > 0)
+            free, lowest = self._free[gid], self._lowest[gid]
+            for block in map(int, row):
+                if block > 0 and block not in free:
+                    free.add(block)
+                    if self._contiguous:
+                        heapq.heappush(lowest, block)
+
+    def _take_lowest(self, group_id: str, count: int) -> list[int]:
+        """The ``count`` lowest free ids of ``group_id``, in order (the caller
+        checked that many are free and takes them off the free set)."""
+        lowest = self._lowest[group_id]  # exactly the free ids
+        return [heapq.heappop(lowest) for _ in range(count)]

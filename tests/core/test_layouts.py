@@ -265,6 +265,39 @@ def test_page_allocator_moved_and_is_re_exported_for_tests() -> None:
     assert allocator.free_pages("kv") == 2
 
 
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 3)), min_size=1, max_size=60
+    )
+)
+def test_contiguous_allocation_hands_out_the_lowest_free_ids(
+    script: list[tuple[bool, int, int]],
+) -> None:
+    """Against a model that sorts every free page: the same rows, requests and errors,
+    whatever order requests are released in (duplicates and padding included)."""
+    contract = mha_contract(num_layers=1, num_kv_heads=1, head_dim=1, page_tokens=4, num_pages=32)
+    allocator = PageAllocator(contract)
+    model = set(range(1, contract.page_count("kv")))
+    held: list[dict[str, list[int]]] = []
+    for allocate, prompt_len, which in script:
+        if allocate or not held:
+            want = sorted(model)[: -(-prompt_len // 4)]
+            if len(want) < -(-prompt_len // 4):
+                with pytest.raises(ConfigError):
+                    allocator.allocate(prompt_len)
+                continue
+            tables = allocator.allocate(prompt_len)
+            assert tables == {"kv": want}
+            model.difference_update(want)
+            held.append(tables)
+        else:
+            tables = held.pop(which % len(held))
+            row = [*tables["kv"], 0, *tables["kv"][:1]]  # padding and a repeat
+            allocator.release({"kv": row})
+            model.update(tables["kv"])
+        assert allocator.free_pages("kv") == len(model)
+
+
 # --------------------------------------------------------------- round trips
 
 
