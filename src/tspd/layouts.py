@@ -666,9 +666,9 @@ class PageAllocator:
         self._rng = random.Random(0) if rng is None else rng
         self._contiguous = contiguous
         self._free = {gid: set(range(1, contract.page_count(gid))) for gid in contract.group_ids}
-        #: Contiguous mode: per group, a min-heap over the free ids (entries of ids
-        #: taken since are skipped when popped), so a request's lowest free ids cost
-        #: O(pages taken × log pages), not a sort of every free page.
+        #: Contiguous mode: per group, a min-heap holding exactly the free ids, so a
+        #: request's lowest free ids cost O(pages taken × log pages), not a sort of
+        #: every free page.
         self._lowest = {gid: sorted(free) if contiguous else [] for gid, free in self._free.items()}
 
     def free_pages(self, group_id: str) -> int:
