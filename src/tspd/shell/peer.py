@@ -355,10 +355,21 @@ class RankPeer(ABC, Generic[CmdT]):
         :class:`~tspd.core.commands.RemotePrefillDone` (Decode), or
         :class:`~tspd.core.commands.Failed` (and, on Decode,
         :class:`~tspd.core.commands.PagesReleased`). Every rank of the group polls
-        once per scheduler iteration."""
-        if self._eager:  # a group of one: nothing to agree on, nothing to await
-            await trio.lowlevel.checkpoint()
-            return self.poll_now()
+        once per scheduler iteration.
+
+        A group of one has nothing to agree on: its poll is a cancel point first
+        (a cancelled poll takes nothing) and returns the events it has at once,
+        without yielding to other tasks; only a poll that finds none yields, so a
+        loop that polls without waiting still lets the peer's tasks run. Yielding
+        with events in hand cost the scheduler a loop iteration of Trio for every
+        event it was given (~10 µs of a completion's way to a Trio scheduler at one
+        room in flight, docs/architecture.md#tasks)."""
+        if self.agreement.group_size == 1:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            events = self.poll_now()
+            if not events:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            return events
         values = self.core.poll_values(trio.current_time())
         agreed = await self.agreement.agree(values)
         return self._take_ready() + self._conclude(agreed)
