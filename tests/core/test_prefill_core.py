@@ -546,6 +546,23 @@ def test_unclaimed_deadlines_follow_claims_drops_and_failed_sessions(pair: CoreP
     assert core.statistics()["unclaimed"] == 1
 
 
+def test_a_session_that_fails_again_expires_from_its_last_failure(pair: CorePair) -> None:
+    # The failed sessions are kept in the order they (last) failed, so the next
+    # deadline is read off the first of them (O(1); the shell reads it per call).
+    core = pair.prefill[0]
+    core.transfer_failed(9, "127.0.0.1:7001", "refused", 30.0)
+    core.transfer_failed(9, "127.0.0.1:7002", "refused", 40.0)
+    assert core.next_deadline() == 60.0
+    core.transfer_failed(9, "127.0.0.1:7001", "refused again", 50.0)
+    assert core.next_deadline() == 70.0  # 7002's TTL now ends first
+    pair.now = 70.0
+    pair.run_timers()
+    assert core.statistics()["failed_sessions"] == 1
+    assert core.next_deadline() == 80.0
+    assert not core.session_alive("127.0.0.1:7001", 79.0)
+    assert core.session_alive("127.0.0.1:7001", 80.0)
+
+
 def test_tracked_rooms_never_expire(pair: CorePair) -> None:
     _bootstrapped(pair, "r", 6)
     pair.prefill[0].abort(7, "x", pair.now)

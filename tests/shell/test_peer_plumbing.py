@@ -46,6 +46,86 @@ async def test_timer_fires_at_each_deadline_and_follows_earlier_ones(
     assert fired == pytest.approx([2.0, 3.01, 5.0])
 
 
+class _TaskSteps(trio.abc.Instrument):
+    """Counts the steps one task runs."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.count = 0
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.count += 1
+
+
+async def test_timer_sleeps_through_pokes_that_leave_its_deadline_or_move_it_later() -> None:
+    """A poke whose deadline is not earlier than the one the task sleeps until does
+    not wake it (one room after another: each new deadline is later); one that is
+    earlier does, and the task fires then."""
+    start = trio.current_time()
+    deadlines = [start + 100.0]
+    fired: list[float] = []
+    done = trio.Event()
+
+    def next_deadline() -> float | None:
+        return min(deadlines) if deadlines else None
+
+    def on_timeout(now: float) -> None:
+        fired.append(now - start)
+        deadlines.remove(min(deadlines))
+        done.set()
+
+    timer = DeadlineTimer(next_deadline, on_timeout, coalesce=0.001)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(timer.run)
+        await trio.sleep(0.01)  # the task sleeps until start + 100
+        (task,) = nursery.child_tasks
+        steps = _TaskSteps(task)
+        trio.lowlevel.add_instrument(steps)
+        try:
+            for i in range(50):
+                deadlines.append(start + 101.0 + i)  # later: nothing to do
+                timer.poke()
+                await trio.lowlevel.checkpoint()
+            deadlines.remove(start + 100.0)  # moved later: still nothing
+            timer.poke()
+            await trio.sleep(0.01)
+            assert steps.count == 0
+            assert timer.wakeups == 0
+            deadlines.append(trio.current_time() + 0.05)  # earlier: wake and fire
+            timer.poke()
+            timer.poke()  # a burst wakes it once
+            with trio.fail_after(5):
+                await done.wait()
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        nursery.cancel_scope.cancel()
+    assert timer.wakeups == 1
+    assert steps.count >= 1
+    assert len(fired) == 1
+
+
+async def test_timer_follows_a_deadline_that_moved_later_without_a_poke(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    start = trio.current_time()
+    deadlines = [start + 2.0]
+    fired: list[float] = []
+
+    def on_timeout(now: float) -> None:
+        fired.append(now - start)
+        deadlines.remove(min(deadlines))
+
+    timer = DeadlineTimer(lambda: min(deadlines) if deadlines else None, on_timeout)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(timer.run)
+        await trio.sleep(1)
+        deadlines[0] = start + 5.0  # the task wakes at 2, re-reads, sleeps until 5
+        await trio.sleep(10)
+        nursery.cancel_scope.cancel()
+    assert fired == pytest.approx([5.0])
+
+
 async def test_push_pool_sends_in_order_and_closes_its_sockets() -> None:
     ctx = zmq.Context.instance()
     pull = open_socket(ctx, zmq.PULL)

@@ -608,6 +608,9 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
     def _mark_session_failed(self, session_id: str, now: float) -> None:
         if self.config.failed_session_ttl <= 0:
             return
+        # Re-inserted, so the table stays in the order the sessions failed: its first
+        # entry is the next to expire (next_deadline reads it, O(1)).
+        self._failed_sessions.pop(session_id, None)
         self._failed_sessions[session_id] = now
         self._log(
             LogLevel.WARNING,
@@ -1504,13 +1507,15 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
         or failed-session expiry; ``None`` when neither exists. Bootstrap timeouts
         are seen by :meth:`poll_values`, which the scheduler runs every iteration.
         The shell reads it after every call: the unclaimed rooms' earliest clock is
-        kept at hand (O(1) amortised); failed sessions (one per Decode rank at most)
-        are scanned."""
+        kept at hand (O(1) amortised), and the failed sessions are kept in the order
+        they failed, so the first one expires first (with ``now`` never going back,
+        as the shell's clock does not; a caller whose clock jumped back only has a
+        session forgotten late, its fail-fast still ends on time)."""
         since = self._per_room.unclaimed.earliest()
         deadline = None if since is None else since + self.config.bootstrap_timeout
         ttl = self.config.failed_session_ttl
         if ttl > 0 and self._failed_sessions:
-            session_deadline = min(self._failed_sessions.values()) + ttl
+            session_deadline = next(iter(self._failed_sessions.values())) + ttl
             if deadline is None or session_deadline < deadline:
                 deadline = session_deadline
         return deadline
