@@ -33,6 +33,7 @@ from tspd.core.staging import (
     BLOB_MAGIC,
     MAX_BLOB_OFFSET,
     SlotPool,
+    blob_data_pad,
     blob_length,
     check_within,
     gather_blob,
@@ -696,3 +697,19 @@ def test_gather_and_scatter_match_the_range_by_range_definition(
     table_dst, table_len = read_blob_table(out, len(want), len(out))
     scatter_blob(out, table_dst, table_len, target)
     assert bytes(target) == bytes(expected)
+
+
+@pytest.mark.parametrize(
+    ("count", "align", "pad"),
+    [(0, 4096, 4080), (255, 4096, 0), (256, 4096, 4080), (3, 64, 0), (4, 64, 48), (7, 1, 0)],
+)
+def test_blob_data_pad_puts_the_data_on_the_boundary(count: int, align: int, pad: int) -> None:
+    assert blob_data_pad(count, align) == pad
+    assert (pad + BLOB_HEADER_BYTES + BLOB_ENTRY_BYTES * count) % align == 0
+
+
+def test_blob_data_pad_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="non-negative entry count"):
+        blob_data_pad(-1, 4096)
+    with pytest.raises(ValueError, match="positive alignment"):
+        blob_data_pad(1, 0)

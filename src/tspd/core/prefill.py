@@ -98,7 +98,7 @@ from tspd.core.rank import RankCore, TrackedRequest
 from tspd.core.reasons import Failure, ReasonClass
 from tspd.core.rooms import RoomClocks
 from tspd.core.schedule import ProducerSchedule, StepReservation, interval_targets
-from tspd.core.staging import SlotPool, blob_length
+from tspd.core.staging import SlotPool, blob_data_pad, blob_length
 from tspd.core.topology import ParallelTopology
 from tspd.core.trace import Mark, Side, TraceConfig
 
@@ -1176,7 +1176,9 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
                 out.append(write)
                 continue
             length = blob_length(copies, write.plan.total_bytes)
-            offset = pool.alloc(length) if length <= slot[1] else None
+            # The blob's data starts on a page of this rank's region (blob_data_pad).
+            pad = blob_data_pad(copies, pool.align)
+            offset = pool.alloc(pad + length) if length <= slot[1] else None
             if offset is None:
                 self._log(
                     LogLevel.DEBUG,
@@ -1194,8 +1196,8 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
             held.append(offset)
             sizes[write.session_id] = length
             staged = StagedWrite(
-                source_offset=offset,
-                source_addr=self.config.staging_base + offset,
+                source_offset=offset + pad,
+                source_addr=self.config.staging_base + offset + pad,
                 dest_addr=region[0] + slot[0],
                 length=length,
                 src_base=self.config.arena_base,

@@ -55,6 +55,7 @@ __all__ = [
     "BLOB_MAGIC",
     "MAX_BLOB_OFFSET",
     "SlotPool",
+    "blob_data_pad",
     "blob_length",
     "check_within",
     "gather_blob",
@@ -228,6 +229,28 @@ def blob_length(count: int, data_bytes: int) -> int:
             f"{count} entries and {data_bytes} bytes"
         )
     return BLOB_HEADER_BYTES + BLOB_ENTRY_BYTES * count + data_bytes
+
+
+def blob_data_pad(count: int, align: int) -> int:
+    """Bytes to leave before a blob of ``count`` entries placed at an ``align``-aligned
+    offset so that its data (after the header and table) starts on an ``align``
+    boundary: where a Prefill rank puts the blob it gathers in its own staging
+    region. The blob's format is unchanged; only where it lies in the Prefill's
+    region moves, so the Decode sees the same bytes.
+
+    Why: the data of a blob placed on a page boundary starts ``16 + 16 * count``
+    bytes in, which is 8-24 bytes past a page boundary whenever ``count`` is a
+    multiple of 256 (a room of 256, 4,096 or 16,384 pages). Copying 4 KiB pages
+    into rows that start just past a page boundary runs into 4K aliasing (each
+    load's address matches a recent store's in its low 12 bits): gathering 32 MiB of
+    scattered 4 KiB pages took 22 ms there against 6-7 ms at any offset from 32
+    bytes on (the 2-core VM, numpy's take; docs/wire.md#staged-transfers)."""
+    if count < 0 or align < 1:
+        raise ValueError(
+            f"a blob's data pad needs a non-negative entry count and a positive "
+            f"alignment, got {count} entries and alignment {align}"
+        )
+    return -(BLOB_HEADER_BYTES + BLOB_ENTRY_BYTES * count) % align
 
 
 def _byte_view(array: ByteArray, what: str, *, writable: bool) -> memoryview:
