@@ -643,8 +643,30 @@ def test_a_blob_gathered_in_parts_is_the_same_blob(part_bytes: int) -> None:
     assert bytes(pieces[:size]) == bytes(whole[:size])
 
 
+def test_a_blob_may_open_with_a_smaller_part() -> None:
+    """``first_part_bytes``: the first part (the table and the first ranges) is cut
+    sooner, so its write starts after a short gather; the rest keep ``part_bytes``."""
+    source = np.arange(1 << 16, dtype=np.uint64).view(np.uint8)[: 1 << 16].copy()
+    lengths = np.full(64, 512, dtype=np.int64)
+    src = np.arange(64, dtype=np.int64) * 1024
+    dst = np.arange(64, dtype=np.int64) * 512
+    out = np.zeros(1 << 16, dtype=np.uint8)
+    table = BLOB_HEADER_BYTES + BLOB_ENTRY_BYTES * 64
+    parts = list(gather_blob_parts(out, source, src, dst, lengths, 8192, first_part_bytes=1024))
+    assert parts[0] == (0, table + 1024)
+    assert [end - start for start, end in parts[1:-1]] == [8192] * (len(parts) - 2)
+    assert parts[-1][1] == table + 64 * 512
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        next(gather_blob_parts(out, source, src, dst, lengths, 8192, first_part_bytes=0))
+
+
 def _reference_parts(
-    source: np.ndarray, src: list[int], dst: list[int], lengths: list[int], part_bytes: int
+    source: np.ndarray,
+    src: list[int],
+    dst: list[int],
+    lengths: list[int],
+    part_bytes: int,
+    first_part_bytes: int | None = None,
 ) -> tuple[bytes, list[tuple[int, int]]]:
     """The blob and its parts, range by range (the format's definition)."""
     n = len(lengths)
@@ -652,7 +674,8 @@ def _reference_parts(
         d.to_bytes(8, "little") + m.to_bytes(8, "little") for d, m in zip(dst, lengths, strict=True)
     )
     blob = bytearray(_header(n) + table)
-    parts, start, due = [], 0, len(blob) + part_bytes
+    first = part_bytes if first_part_bytes is None else first_part_bytes
+    parts, start, due = [], 0, len(blob) + first
     for s, m in zip(src, lengths, strict=True):
         blob += bytes(source[s : s + m])
         if len(blob) >= due:
@@ -667,12 +690,14 @@ def _reference_parts(
     unit=st.sampled_from([1, 3, 64, 256, 512, 4096]),
     shape=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 4)), min_size=0, max_size=24),
     part_bytes=st.sampled_from([1, 300, 4096, 20_000, 1 << 40]),
+    first_part_bytes=st.sampled_from([None, 1, 300, 4096]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_gather_and_scatter_match_the_range_by_range_definition(
     unit: int,
     shape: list[tuple[int, int]],
     part_bytes: int,
+    first_part_bytes: int | None,
     seed: int,
 ) -> None:
     """Whole rows of ≥ 256 bytes go through numpy's row gather and scatter (without
@@ -685,10 +710,11 @@ def test_gather_and_scatter_match_the_range_by_range_definition(
     lengths = [count * unit for _, count in shape]
     order = rng.permutation(slots).tolist()
     dst = [order[i % slots] * 4 * unit for i in range(len(shape))]  # distinct, in range
-    want, want_parts = _reference_parts(source, src, dst, lengths, part_bytes)
+    want, want_parts = _reference_parts(source, src, dst, lengths, part_bytes, first_part_bytes)
     out = np.zeros(len(want) + 5, dtype=np.uint8)
     cols = (np.array(src, I64), np.array(dst, I64), np.array(lengths, I64))
-    assert list(gather_blob_parts(out, source, *cols, part_bytes)) == want_parts
+    parts = gather_blob_parts(out, source, *cols, part_bytes, first_part_bytes=first_part_bytes)
+    assert list(parts) == want_parts
     assert bytes(out[: len(want)]) == want
     target = np.zeros(slots * 4 * unit, dtype=np.uint8)
     expected = target.copy()

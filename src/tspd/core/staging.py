@@ -334,15 +334,22 @@ def gather_blob_parts(
     dst_offsets: Int64Array,
     lengths: Int64Array,
     part_bytes: int = 1 << 62,
+    *,
+    first_part_bytes: int | None = None,
 ) -> Iterator[tuple[int, int]]:
     """:func:`gather_blob` in pieces: every range is checked and the header and
     table are written at the first ``next()``; each step then copies ranges until at
-    least ``part_bytes`` more of the blob are filled, and yields the blob bytes
-    ``(start, end)`` it completed (the first part starts at 0, with the table; the
-    last ends at the blob's length). A caller writes each part while the next one
-    is gathered."""
-    if part_bytes < 1:
-        raise ValueError(f"a blob part needs at least 1 byte, got part_bytes={part_bytes}")
+    least ``part_bytes`` more of the blob are filled (the first step
+    ``first_part_bytes``, when given), and yields the blob bytes ``(start, end)`` it
+    completed (the first part starts at 0, with the table; the last ends at the
+    blob's length). A caller writes each part while the next one is gathered; a
+    small first part starts the first write sooner."""
+    opening = part_bytes if first_part_bytes is None else first_part_bytes
+    if part_bytes < 1 or opening < 1:
+        raise ValueError(
+            f"a blob part needs at least 1 byte, got part_bytes={part_bytes}, "
+            f"first_part_bytes={first_part_bytes}"
+        )
     dst_out = _byte_view(out, "the staging slot", writable=True)
     src_in = _byte_view(source, "the source arena", writable=False)
     src, dst, length = _columns(src_offsets, dst_offsets, lengths)
@@ -385,13 +392,14 @@ def gather_blob_parts(
         yield 0, table_end
         return
     # A part ends with the first range that reaches its due byte (the first part is
-    # due part_bytes after the table, each next one part_bytes after the last end).
+    # due first_part_bytes after the table, each next one part_bytes after the last
+    # end).
     ends = table_end + np.cumsum(length)
     unit = _row_unit(length, src)
     rows = _rows(src, length, unit) if unit else _NONE
     counts = length // unit if unit else _NONE
     first_row = np.cumsum(counts) - counts
-    first, start, due = 0, 0, table_end + part_bytes
+    first, start, due = 0, 0, table_end + opening
     while first < n:
         last = min(int(np.searchsorted(ends, due, side="left")) + 1, n)
         at = table_end if first == 0 else int(ends[first - 1])
