@@ -135,7 +135,14 @@ async def test_a_forced_gap_is_healed_by_replay(ipc_dir: str) -> None:
     assert requests[0].start_seq >= start  # probes still in flight may land first
     assert not any(isinstance(i, BatchesLost) for i in items)
     assert stats.lost_batches == 0
-    assert stats.replayed >= 20
+    # What was not received live came by replay, in order. On a loaded host the first
+    # of the 20 batches can still reach the socket before the disconnect takes
+    # effect (a clean-clone run saw 19 replayed), so the count is not fixed at 20.
+    replayed = [i.seq for i in items if isinstance(i, ReceivedBatch) and i.replayed]
+    assert len(replayed) >= 10
+    assert replayed == list(range(replayed[0], replayed[0] + len(replayed)))
+    assert replayed[-1] >= start + 20
+    assert stats.replayed >= len(replayed)
     assert pub.statistics().replay_requests_served >= 1
 
 
