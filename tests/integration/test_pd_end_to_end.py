@@ -368,7 +368,11 @@ async def test_decode_that_never_preallocates_hits_the_bootstrap_timeout(
             assert event.reason.endswith("s in TransferPoll.Bootstrapping")
         async with role_process(
             nursery, workload, "decode", "--rooms", "201:202", "--bootstrap", bootstrap
-        ):
+        ) as decode:
+            # The 1.5 s timeout runs from register_request: let the new process start
+            # (a loaded CI host took longer than that to import and register) and
+            # pre-allocate first, so only the first room tests the timeout.
+            await decode.wait("preallocated", room=201)
             assert isinstance(await prefill_room(peer, workload, 201), Succeeded)
         await trio.sleep(0.1)
         _assert_prefill_empty(peer)

@@ -141,7 +141,7 @@ async def test_a_forced_gap_is_healed_by_replay(ipc_dir: str) -> None:
     replayed = [i.seq for i in items if isinstance(i, ReceivedBatch) and i.replayed]
     assert len(replayed) >= 10
     assert replayed == list(range(replayed[0], replayed[0] + len(replayed)))
-    assert replayed[-1] >= start + 20
+    assert replayed[-1] >= start + 19  # the last of the 20 published while disconnected
     assert stats.replayed >= len(replayed)
     assert pub.statistics().replay_requests_served >= 1
 
