@@ -610,6 +610,56 @@ def test_manifest_round_trip(
     assert parse_manifest(data).to_json() == data
 
 
+class _Five(int):
+    """An int subclass whose ``str`` is not its JSON form."""
+
+    def __str__(self) -> str:
+        return "five"
+
+
+def _dumps_reference(m: BlockManifest) -> bytes:
+    obj: dict[str, Any] = {
+        "groups": [{"group_id": g.group_id, "block_ids": list(g.block_ids)} for g in m.groups],
+        "prefix_len": m.prefix_len,
+        "prompt_len": m.prompt_len,
+    }
+    if m.state_prefix_cached is not None:
+        obj["state_prefix_cached"] = m.state_prefix_cached
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+_ODD_IDS = st.integers(-(2**70), 2**70) | st.booleans() | st.builds(_Five, st.integers(0, 9))
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.text(max_size=6),
+            st.lists(st.integers(0, 2**63), max_size=40) | st.lists(_ODD_IDS, max_size=40),
+        ),
+        max_size=3,
+    ),
+    st.integers(0, 2**40) | st.booleans(),
+    st.integers(0, 2**40),
+    st.none() | st.booleans() | st.integers(0, 1),
+)
+def test_manifest_json_is_what_json_dumps_writes(
+    groups: list[tuple[str, list[Any]]], prefix: Any, prompt: int, flag: Any
+) -> None:
+    """to_json writes short id lists itself: the bytes are json.dumps's for any
+    value (int subclasses, bools, unicode group ids, ids past 64 bits, long lists)."""
+    m = BlockManifest(
+        tuple(ManifestGroup(g, tuple(ids)) for g, ids in groups), prefix, prompt, flag
+    )
+    assert m.to_json() == _dumps_reference(m)
+
+
+def test_manifest_json_of_numpy_ids_fails_as_json_dumps_does() -> None:
+    m = BlockManifest((ManifestGroup("g", (np.int64(5),)),), 0, 1)
+    with pytest.raises(TypeError, match="int64 is not JSON serializable"):
+        m.to_json()
+
+
 @given(st.binary(max_size=256))
 def test_any_bytes_parse_or_raise_contract_error(data: bytes) -> None:
     with contextlib.suppress(ContractError):

@@ -112,7 +112,40 @@ class BlockManifest:
 
     def to_json(self) -> bytes:
         """The wire form: compact ASCII JSON, keys ``groups, prefix_len, prompt_len``
-        and ``state_prefix_cached`` when set."""
+        and ``state_prefix_cached`` when set.
+
+        The same bytes as ``json.dumps`` with those options, written out directly
+        (a Decode rank sends one per room, and ``json.dumps`` with options builds
+        an encoder per call: ~2 µs of a one-page room's ~4): short id lists of plain
+        ``int`` are joined, longer ones go through one shared encoder; lengths or a
+        flag of another type, through ``json.dumps``."""
+        cached = self.state_prefix_cached
+        if (
+            type(self.prefix_len) is not int
+            or type(self.prompt_len) is not int
+            or (cached is not None and type(cached) is not bool)
+        ):
+            return self._dumped()
+        groups: list[str] = []
+        for g in self.groups:
+            ids = g.block_ids
+            if len(ids) <= _JOINED_IDS and set(map(type, ids)) <= _INT:
+                listed = ",".join(map(str, ids))
+            else:  # the encoder json.dumps uses, so the same bytes (or error)
+                listed = _ENCODER.encode(ids)[1:-1]
+            groups.append(f'{{"group_id":{_ENCODER.encode(g.group_id)},"block_ids":[{listed}]}}')
+        tail = "" if cached is None else f',"state_prefix_cached":{"true" if cached else "false"}'
+        text = (
+            f'{{"groups":[{",".join(groups)}],"prefix_len":{self.prefix_len},'
+            f'"prompt_len":{self.prompt_len}{tail}}}'
+        )
+        data = text.encode("ascii")
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ContractError(f"Cache block manifest exceeds {MAX_MANIFEST_BYTES} wire bytes")
+        return data
+
+    def _dumped(self) -> bytes:
+        """:meth:`to_json` through ``json.dumps`` (lengths or a flag of another type)."""
         obj: dict[str, Any] = {
             "groups": [
                 {"group_id": g.group_id, "block_ids": list(g.block_ids)} for g in self.groups
@@ -126,6 +159,12 @@ class BlockManifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise ContractError(f"Cache block manifest exceeds {MAX_MANIFEST_BYTES} wire bytes")
         return data
+
+
+#: One encoder for the manifests' group ids and long id lists (compact, ASCII).
+_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True)
+#: Id lists up to this long are joined in Python (faster than the encoder's set-up).
+_JOINED_IDS: Final = 32
 
 
 def _malformed(detail: str) -> ContractError:
