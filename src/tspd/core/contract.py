@@ -363,6 +363,7 @@ class _Index:
     fields: dict[str, FieldSpec]
     by_group: dict[str, tuple[FieldSpec, ...]]
     partitions: dict[str, Partition]
+    group_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,6 +404,7 @@ class CacheContract:
             fields=fields,
             by_group=by_group,
             partitions=partitions,
+            group_ids=tuple(s.group_id for s in self.group_specs),
         )
         object.__setattr__(self, "_index", index)
 
@@ -410,8 +412,9 @@ class CacheContract:
 
     @property
     def group_ids(self) -> tuple[str, ...]:
-        """Group ids in group order."""
-        return tuple(s.group_id for s in self.group_specs)
+        """Group ids in group order (computed once: a Prefill rank reads them for
+        every manifest it checks and every room it plans)."""
+        return self._index.group_ids
 
     @property
     def arena_bytes(self) -> int:
