@@ -21,7 +21,13 @@ from tspd.core.commands import (
 from tspd.core.errors import ConfigError, PlanError, ProtocolError
 from tspd.core.machines import RoomState
 from tspd.core.poll import TransferPoll
-from tspd.core.prefill import ExtendRow, PrefillConfig, PrefillCore, epd_abort_reason
+from tspd.core.prefill import (
+    MAX_FAILED_SESSIONS,
+    ExtendRow,
+    PrefillConfig,
+    PrefillCore,
+    epd_abort_reason,
+)
 from tspd.core.schedule import ProducerSchedule
 from tspd.testing.core_pair import CorePair
 from tspd.testing.layouts import multi_layer_contract, room_manifest, simple_contract
@@ -708,3 +714,19 @@ def test_late_token_for_an_ended_layerwise_room_warns() -> None:
         assert log.message == "Dropping late prefill metadata for expired bootstrap_room=77"  # type: ignore[union-attr]
     finally:
         pair.close()
+
+
+def test_failed_sessions_are_bounded_oldest_mark_dropped_first(pair: CorePair) -> None:
+    # A TTL's worth of Decode churn must not grow the fast-fail table without bound.
+    core = pair.prefill[0]
+    sessions = [f"127.0.0.1:{10_000 + i}" for i in range(MAX_FAILED_SESSIONS + 3)]
+    for i, session in enumerate(sessions):
+        core.transfer_failed(9, session, "refused", 30.0 + i * 1e-6)
+    assert core.statistics()["failed_sessions"] == MAX_FAILED_SESSIONS
+    now = 30.0 + len(sessions) * 1e-6
+    assert all(core.session_alive(s, now) for s in sessions[:3])  # the oldest marks
+    assert not any(core.session_alive(s, now) for s in sessions[3:])
+    pair.pump()
+    assert any("are marked failed: forgetting the oldest mark" in m for m in _logs(pair))
+    # The first remaining mark still sets the next deadline.
+    assert core.next_deadline() == pytest.approx(30.0 + 3e-6 + core.config.failed_session_ttl)

@@ -105,6 +105,7 @@ from tspd.core.trace import Mark, Side, TraceConfig
 __all__ = [
     "BOOTSTRAP_STALL_S",
     "FAILED_ROOM_MEMORY",
+    "MAX_FAILED_SESSIONS",
     "MAX_REGISTRATIONS",
     "MAX_UNCLAIMED_ROOMS",
     "REJECTED_SESSION_MEMORY",
@@ -136,6 +137,11 @@ MAX_REGISTRATIONS: Final = 4096
 #: Sessions whose registration was rejected are remembered this many at most (their
 #: reply route, to answer their pre-allocations ``Failed``), oldest dropped first.
 REJECTED_SESSION_MEMORY: Final = 1024
+#: Sessions marked failed (failed-session fast-fail) at most at once, oldest mark
+#: dropped first: the table is otherwise bounded only by how many sessions a
+#: failed-session TTL's worth of Decode churn brings. A dropped session's new
+#: transfers go to the engine again and fail there, as after its TTL.
+MAX_FAILED_SESSIONS: Final = MAX_REGISTRATIONS
 
 _CONFLICT = "conflicting registration for an active CachePD session"
 #: The peer of a message that names no session (PULL sockets do not say who sent).
@@ -612,6 +618,15 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
         # entry is the next to expire (next_deadline reads it, O(1)).
         self._failed_sessions.pop(session_id, None)
         self._failed_sessions[session_id] = now
+        if len(self._failed_sessions) > MAX_FAILED_SESSIONS:
+            oldest = next(iter(self._failed_sessions))
+            del self._failed_sessions[oldest]
+            self._log(
+                LogLevel.WARNING,
+                f"{MAX_FAILED_SESSIONS} Decode sessions are marked failed: forgetting the "
+                f"oldest mark, {oldest}; transfers to it are tried again (and fail at the "
+                "engine if it is still down)",
+            )
         self._log(
             LogLevel.WARNING,
             f"Decode session {session_id} marked failed for "
