@@ -25,6 +25,7 @@ from tspd.core.kv_events import AllBlocksCleared, BlockStored, KVEvent
 from tspd.hosts.bridge import BridgeClosed
 from tspd.hosts.services import ServiceNursery
 from tspd.hosts.threads import (
+    IDLE_CALL_RUNNERS,
     ThreadedDecode,
     ThreadedPeer,
     ThreadedPrefill,
@@ -310,6 +311,69 @@ def test_a_blocking_call_from_a_trio_task_is_refused_not_deadlocked() -> None:
             return "refused"
 
         assert host.call(inside) == "refused"
+
+
+async def _current_task() -> trio.lowlevel.Task:
+    await trio.lowlevel.checkpoint()
+    return trio.lowlevel.current_task()
+
+
+def test_blocking_calls_reuse_a_parked_runner_and_keep_their_outcomes_apart() -> None:
+    """A blocking call runs on a parked call runner, not a task spawned for it, and a
+    failed or timed-out call leaves the runner serving the next one."""
+
+    async def fails() -> None:
+        await trio.lowlevel.checkpoint()
+        raise KeyError("from call")
+
+    with open_trio_thread() as host:
+        first = host.call(_current_task)
+        assert host.call(_current_task) is first  # one runner, parked between calls
+        with pytest.raises(KeyError, match="from call"):
+            host.call(fails)
+        assert host.call(_current_task) is first
+        with pytest.raises(TimeoutError, match="did not finish within"):
+            host.call(trio.sleep_forever, timeout=0.01)
+        assert host.call(_current_task) is first
+        assert host.call(trio.sleep, 0) is None
+
+
+def test_concurrent_blocking_calls_get_runners_of_their_own_and_few_stay_parked() -> None:
+    """Calls that overlap each run on a runner of their own (none waits for another);
+    once they are done at most IDLE_CALL_RUNNERS stay parked, and the host closes
+    with them parked."""
+    callers = IDLE_CALL_RUNNERS * 3
+    barrier = threading.Barrier(callers)
+    gate: dict[str, trio.Event] = {}
+    tasks: list[trio.lowlevel.Task] = []
+    errors: list[BaseException] = []
+
+    async def meet() -> None:
+        tasks.append(trio.lowlevel.current_task())
+        if len(tasks) == callers:
+            gate["all"].set()
+        with trio.fail_after(10):  # every call is in flight at once, or this fails
+            await gate["all"].wait()
+
+    def caller(host: TrioThread) -> None:
+        try:
+            barrier.wait(10)
+            host.call(meet)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with open_trio_thread() as host:
+        gate["all"] = host.call_sync(trio.Event)
+        threads = [threading.Thread(target=caller, args=(host,)) for _ in range(callers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert not errors, errors
+        assert len(set(map(id, tasks))) == callers
+        parked = host.call_sync(lambda: len(host._idle_runners))
+        assert parked == IDLE_CALL_RUNNERS
+    assert not host.running
 
 
 def test_a_blocking_call_in_flight_when_the_host_closes_fails_with_bridge_closed() -> None:

@@ -47,6 +47,7 @@ from functools import partial
 from types import GenericAlias
 from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, Protocol, TypeVar, final
 
+import outcome
 import trio
 
 from tspd.core.commands import Event
@@ -60,6 +61,7 @@ from tspd.shell.prefill import PrefillOutbox, PrefillPeer
 from tspd.shell.threadsafe import LazyFuture, fulfil
 
 __all__ = [
+    "IDLE_CALL_RUNNERS",
     "ThreadedDecode",
     "ThreadedPeer",
     "ThreadedPrefill",
@@ -74,6 +76,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 P = ParamSpec("P")
+
+#: Call runners kept parked between blocking calls (see :meth:`TrioThread.call`): a
+#: scheduler's idle wait is such a call, several a room, and a task started and
+#: ended for each cost the Trio thread ~20 µs a call (docs/architecture.md#threads).
+IDLE_CALL_RUNNERS = 4
 
 #: How long closing the host lets the entered services exit in order.
 CLOSE_TIMEOUT = 10.0
@@ -180,6 +187,8 @@ class TrioThread(TrioHost):
         self._posts: deque[tuple[_Failable, Callable[[], None]]] = deque()
         self._posts_lock = threading.Lock()
         self._drain_queued = False
+        #: Call runners parked for the next blocking call (Trio thread only).
+        self._idle_runners: list[trio.lowlevel.Task] = []
         self._thread = threading.Thread(target=self._thread_main, name=name, daemon=True)
 
     @property
@@ -198,7 +207,11 @@ class TrioThread(TrioHost):
         It starts ``fn`` through the same queue as :meth:`post` -- after every post
         made before it, in the same wake-up of the Trio thread -- and hands the
         result back through a lock, not a ``Future``: a scheduler that posts a
-        call and then waits pays one crossing, not two (docs/architecture.md#threads)."""
+        call and then waits pays one crossing, not two (docs/architecture.md#threads).
+        ``fn`` runs on a *call runner*, a task of the host's that parks between
+        calls (at most :data:`IDLE_CALL_RUNNERS` stay parked; overlapping calls get
+        one each), not on a task spawned for it: a context variable a call sets is
+        still set for the next call its runner serves."""
 
         async def bounded() -> T:
             if timeout is None:
@@ -214,7 +227,7 @@ class TrioThread(TrioHost):
 
         waiter: _Waiter[T] = _Waiter()
         self._refuse_in_trio()
-        self._enqueue(waiter, partial(self._start, waiter, fn, self._call_task, waiter, bounded))
+        self._enqueue(waiter, partial(self._run_call, waiter, bounded))
         return waiter.result()
 
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
@@ -390,6 +403,33 @@ class TrioThread(TrioHost):
                     )
                 else:
                     future.set_exception(self._closed_error("stopped before the call finished"))
+
+    def _run_call(self, waiter: _Waiter[Any], fn: Callable[[], Awaitable[Any]]) -> None:
+        """Run a blocking :meth:`call`'s ``fn`` (in the Trio thread): on a parked call
+        runner when one is idle, else on a new one."""
+        if waiter.done():
+            return
+        if self._idle_runners:
+            trio.lowlevel.reschedule(self._idle_runners.pop(), outcome.Value((waiter, fn)))
+            return
+        self._start(waiter, "tspd call runner", self._call_runner, waiter, fn)
+
+    async def _call_runner(self, waiter: _Waiter[Any], fn: Callable[[], Awaitable[Any]]) -> None:
+        """A call runner: run one call, then park for the next while fewer than
+        :data:`IDLE_CALL_RUNNERS` others are parked. Spawning a task a call cost a
+        scheduler's idle wait a task's start and exit on every crossing."""
+        while True:
+            await self._call_task(waiter, fn)
+            if len(self._idle_runners) >= IDLE_CALL_RUNNERS:
+                return
+            task = trio.lowlevel.current_task()
+            self._idle_runners.append(task)
+
+            def abort(_: Any, task: trio.lowlevel.Task = task) -> trio.lowlevel.Abort:
+                self._idle_runners.remove(task)
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            waiter, fn = await trio.lowlevel.wait_task_rescheduled(abort)
 
     async def _call_task(self, waiter: _Waiter[T], fn: Callable[[], Awaitable[T]]) -> None:
         try:
