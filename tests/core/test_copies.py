@@ -8,6 +8,7 @@ rules of docs/protocol.md#proto-copies.
 from __future__ import annotations
 
 import math
+import pickle
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -516,6 +517,37 @@ def test_copy_plan_basics() -> None:
         CopyPlan(plan.src.astype(np.int32), plan.dst, plan.length)
 
 
+def test_a_plan_of_lists_is_the_same_value_and_makes_its_arrays_once_when_read() -> None:
+    """The plain-Python path's plan keeps its lists (an engine call takes them as
+    they are, no numpy in between) and builds read-only arrays only when they are
+    read; either way it is the same immutable value as the array-built plan."""
+    cols = ([0, 64], [100, 164], [4, 8])
+    plan = CopyPlan._of_lists(*(list(c) for c in cols))
+    same = CopyPlan.from_copies([(0, 100, 4), (64, 164, 8)])
+    src, dst, length = plan.columns()
+    assert type(src) is list
+    assert (src, dst, length) == cols
+    assert len(plan) == 2
+    assert plan.total_bytes == 12
+    assert list(plan) == list(same)
+    copied = plan.tolist()
+    copied[0][0] = 999  # tolist() hands out new lists
+    assert plan.tolist() == cols
+    assert plan == same
+    assert same == plan
+    assert plan.src is plan.src  # made once
+    assert plan.src.tolist() == [0, 64]
+    assert plan.length.dtype == np.int64
+    assert not plan.src.flags.writeable
+    assert not plan.dst.flags.writeable
+    assert type(plan.columns()[0]) is list  # the lists stay what an engine call gets
+    assert type(same.columns()[0]) is np.ndarray
+    with pytest.raises(AttributeError, match="immutable"):
+        plan.src = same.src  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(plan)) == same
+    assert plan != CopyPlan.from_copies([(0, 100, 4)])
+
+
 @pytest.mark.parametrize("n", [0, 1, 64, 65, 1000])
 def test_total_bytes_short_and_long_plans(n: int) -> None:
     lengths = [(i % 7 + 1) * (1 << 40) for i in range(n)]  # sums beyond int32
@@ -791,6 +823,9 @@ def test_python_and_numpy_paths_plan_identically(
                 numpy_plans, python_plans = by_path
                 assert len(numpy_plans) == len(python_plans) == len(steps)
                 for a, b in zip(numpy_plans, python_plans, strict=True):
+                    # Read before any array: the plain-Python path's lists, as built.
+                    assert [list(c) for c in b.columns()] == list(a.tolist())
+                    assert len(b) == len(a)
                     assert a == b
                     assert a.total_bytes == b.total_bytes
                     for column in (b.src, b.dst, b.length):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import final
 
 import numpy as np
 import numpy.typing as npt
@@ -84,31 +85,78 @@ _EMPTY: Int64Array = np.zeros(0, dtype=np.int64)
 _EMPTY.setflags(write=False)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@final
 class CopyPlan:
     """An ordered list of copies as three equal-length int64 arrays.
 
     ``src[i]`` and ``dst[i]`` are absolute addresses, ``length[i]`` the byte count
     of copy ``i``. A plan is a value: the constructor marks the arrays it is given
-    read-only (copy them first to keep a writable array). Iterating yields ``(src, dst, length)``
-    tuples of Python ints (for tests and logs; the shell hands the arrays, or their
-    ``tolist()``, to the engine).
+    read-only (copy them first to keep a writable array), and its attributes cannot
+    be set. Iterating yields ``(src, dst, length)`` tuples of Python ints (for tests
+    and logs; the shell hands :meth:`tolist`'s columns, or the arrays, to the
+    engine).
+
+    A small plan built in plain Python (:func:`plan_steps`' fast path) keeps its
+    columns as the lists it was built from and makes the arrays only when they are
+    read: a one-page room goes from planning to the engine call without numpy
+    (building the arrays and reading them back was ~15 µs of a one-page hand-over on
+    the 2-core host).
     """
 
-    src: Int64Array
-    dst: Int64Array
-    length: Int64Array
+    __slots__ = ("_columns", "_dst", "_length", "_src")
 
-    def __post_init__(self) -> None:
-        if not (len(self.src) == len(self.dst) == len(self.length)):
+    _src: Int64Array | None
+    _dst: Int64Array | None
+    _length: Int64Array | None
+    _columns: tuple[list[int], list[int], list[int]] | None
+
+    def __init__(self, src: Int64Array, dst: Int64Array, length: Int64Array) -> None:
+        if not (len(src) == len(dst) == len(length)):
             raise PlanError(
-                f"copy plan arrays differ in length: {len(self.src)} sources, "
-                f"{len(self.dst)} destinations, {len(self.length)} lengths"
+                f"copy plan arrays differ in length: {len(src)} sources, "
+                f"{len(dst)} destinations, {len(length)} lengths"
             )
-        for array in (self.src, self.dst, self.length):
+        for array in (src, dst, length):
             if array.dtype != np.int64 or array.ndim != 1:
                 raise PlanError("copy plan arrays must be one-dimensional int64")
             array.setflags(write=False)
+        _init(self, src, dst, length, None)
+
+    @classmethod
+    def _of_lists(cls, src: list[int], dst: list[int], length: list[int]) -> CopyPlan:
+        """A plan of three equal-length lists of int64-range ints that the caller
+        owns no more and has checked (the arrays come when read)."""
+        plan = object.__new__(cls)
+        _init(plan, None, None, None, (src, dst, length))
+        return plan
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a CopyPlan is immutable: cannot set {name!r}")
+
+    def _arrays(self) -> tuple[Int64Array, Int64Array, Int64Array]:
+        src, dst, length = self._src, self._dst, self._length
+        if src is None or dst is None or length is None:
+            assert self._columns is not None
+            table = np.array(self._columns, dtype=np.int64).reshape(3, -1)
+            table.setflags(write=False)
+            src, dst, length = table[0], table[1], table[2]
+            _init(self, src, dst, length, self._columns)
+        return src, dst, length
+
+    @property
+    def src(self) -> Int64Array:
+        """Source addresses (read-only)."""
+        return self._src if self._src is not None else self._arrays()[0]
+
+    @property
+    def dst(self) -> Int64Array:
+        """Destination addresses (read-only)."""
+        return self._dst if self._dst is not None else self._arrays()[1]
+
+    @property
+    def length(self) -> Int64Array:
+        """Byte counts (read-only)."""
+        return self._length if self._length is not None else self._arrays()[2]
 
     @classmethod
     def empty(cls) -> CopyPlan:
@@ -138,14 +186,20 @@ class CopyPlan:
         )
 
     def __len__(self) -> int:
-        return len(self.length)
+        columns = self._columns
+        if columns is not None:
+            return len(columns[2])
+        assert self._length is not None
+        return len(self._length)
 
     def __iter__(self) -> Iterator[tuple[int, int, int]]:
-        return zip(self.src.tolist(), self.dst.tolist(), self.length.tolist(), strict=True)
+        return zip(*self.tolist(), strict=True)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CopyPlan):
             return NotImplemented
+        if self._columns is not None and other._columns is not None:
+            return self._columns == other._columns
         return (
             np.array_equal(self.src, other.src)
             and np.array_equal(self.dst, other.dst)
@@ -157,17 +211,51 @@ class CopyPlan:
     def __repr__(self) -> str:
         return f"CopyPlan({len(self)} copies, {self.total_bytes} bytes)"
 
+    def __reduce__(self) -> tuple[object, tuple[Int64Array, Int64Array, Int64Array]]:
+        return (CopyPlan, self._arrays())
+
     @property
     def total_bytes(self) -> int:
         """Bytes moved by the whole plan (a Python sum for short plans, where a numpy
         reduction's fixed cost dominates)."""
-        if len(self.length) <= _SHORT_SUM:
-            return sum(self.length.tolist())
-        return int(self.length.sum())
+        columns = self._columns
+        if columns is not None:
+            return sum(columns[2])
+        length = self.length
+        if len(length) <= _SHORT_SUM:
+            return sum(length.tolist())
+        return int(length.sum())
+
+    def columns(self) -> tuple[Sequence[int] | Int64Array, ...]:
+        """The three columns in the form at hand, for an engine call: the read-only
+        lists a small plan was built from (do not change them), else the arrays."""
+        columns = self._columns
+        if columns is not None:
+            return columns
+        return self._arrays()
 
     def tolist(self) -> tuple[list[int], list[int], list[int]]:
-        """The three columns as Python int lists (the engine's argument form)."""
-        return self.src.tolist(), self.dst.tolist(), self.length.tolist()
+        """The three columns as Python int lists (the engine's argument form), new
+        lists the caller may keep or change."""
+        columns = self._columns
+        if columns is not None:
+            return list(columns[0]), list(columns[1]), list(columns[2])
+        src, dst, length = self._arrays()
+        return src.tolist(), dst.tolist(), length.tolist()
+
+
+def _init(
+    plan: CopyPlan,
+    src: Int64Array | None,
+    dst: Int64Array | None,
+    length: Int64Array | None,
+    columns: tuple[list[int], list[int], list[int]] | None,
+) -> None:
+    setter = object.__setattr__
+    setter(plan, "_src", src)
+    setter(plan, "_dst", dst)
+    setter(plan, "_length", length)
+    setter(plan, "_columns", columns)
 
 
 def coalesce(plan: CopyPlan) -> CopyPlan:
@@ -715,18 +803,11 @@ def _coalesce_lists(
 
 
 def _plan_of_lists(src: list[int], dst: list[int], length: list[int]) -> CopyPlan:
-    """A plan of three equal-length lists of int64-range ints, as one read-only 3×n
-    table whose rows the plan holds (one numpy call and one ``setflags``; the
+    """A plan of three equal-length lists of int64-range ints, kept as lists (the
     columns are known good, so the constructor's checks are skipped)."""
     if not length:
         return CopyPlan.empty()
-    table = np.array((src, dst, length), dtype=np.int64)
-    table.setflags(write=False)
-    plan = object.__new__(CopyPlan)
-    object.__setattr__(plan, "src", table[0])
-    object.__setattr__(plan, "dst", table[1])
-    object.__setattr__(plan, "length", table[2])
-    return plan
+    return CopyPlan._of_lists(src, dst, length)
 
 
 def plan_steps(

@@ -266,7 +266,8 @@ class TransferWorkers:
         if not self._feedback.room_active(chunk):
             return
         plan = writes[0].plan
-        started = runner.start_write(writes[0].session_id, plan.src, plan.dst, plan.length)
+        src, dst, lengths = plan.columns()
+        started = runner.start_write(writes[0].session_id, src, dst, lengths)
         if started is not None:
             self._started[id(chunk)] = (started, trio.current_time())
 
