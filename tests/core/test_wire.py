@@ -768,6 +768,19 @@ def test_encode_embedding_status_refuses_values_out_of_range() -> None:
 )
 def test_session_port(session: str, port: int | None) -> None:
     assert session_port(session) == port
+    assert session_port(session) == port  # the kept answer is the same
+
+
+def test_session_ports_kept_are_bounded_whatever_peers_name() -> None:
+    """A Prefill rank reads a port per room and destination, so answers are kept;
+    session ids come from peers, so the kept ones are bounded (newest kept)."""
+    for i in range(3000):
+        assert session_port(f"10.0.{i // 256}.{i % 256}:{1 + i}") == 1 + i
+    info = session_port.cache_info()
+    assert info.maxsize == 1024
+    assert info.currsize <= 1024
+    assert session_port(f"10.0.{2998 // 256}.{2998 % 256}:2999") == 2999
+    assert session_port.cache_info().hits == info.hits + 1  # the newest are kept
 
 
 # ------------------------------------------- any frames decode or raise WireError only

@@ -1278,16 +1278,25 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
         final: bool,
         now: float,
     ) -> None:
-        ports = sum(wire.session_port(d.session_id) or 0 for d in destinations)
+        ports = 0
+        sessions = []
+        for d in destinations:
+            ports += wire.session_port(d.session_id) or 0
+            if d.manifest is not None:
+                sessions.append(d.session_id)
+        descriptors = nbytes = 0
+        for _, writes in intervals:
+            for w in writes:
+                descriptors += len(w.plan)
+                nbytes += w.plan.total_bytes
         chunk = StartTransfer(
             room=room,
             shard=ports % self.config.transfer_workers,
-            intervals=tuple(TransferInterval(step, writes) for step, writes in intervals),
+            intervals=tuple([TransferInterval(step, writes) for step, writes in intervals]),
             final=final,
-            sessions=tuple(d.session_id for d in destinations if d.manifest is not None),
+            sessions=tuple(sessions),
         )
-        descriptors = sum(len(w.plan) for i in chunk.intervals for w in i.writes)
-        self._trace.transfer(room, chunk.total_bytes, descriptors, now)
+        self._trace.transfer(room, nbytes, descriptors, now)
         self._writing[room] = self._writing.get(room, 0) + 1
         self._commands.append(chunk)
 
