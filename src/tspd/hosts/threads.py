@@ -416,8 +416,8 @@ class TrioThread(TrioHost):
 
     async def _call_runner(self, waiter: _Waiter[Any], fn: Callable[[], Awaitable[Any]]) -> None:
         """A call runner: run one call, then park for the next while fewer than
-        :data:`IDLE_CALL_RUNNERS` others are parked. Spawning a task a call cost a
-        scheduler's idle wait a task's start and exit on every crossing."""
+        :data:`IDLE_CALL_RUNNERS` others are parked (a task spawned for each call
+        cost the Trio thread a task's start and exit on every crossing)."""
         while True:
             await self._call_task(waiter, fn)
             if len(self._idle_runners) >= IDLE_CALL_RUNNERS:
