@@ -163,7 +163,20 @@ class StartTransfer:
     @property
     def total_bytes(self) -> int:
         """Bytes this chunk writes, over every interval and destination."""
-        return sum(w.plan.total_bytes for i in self.intervals for w in i.writes)
+        total = 0
+        for interval in self.intervals:  # loops: a generator costs more here
+            for write in interval.writes:
+                total += write.plan.total_bytes
+        return total
+
+    @property
+    def descriptors(self) -> int:
+        """Copies this chunk writes, over every interval and destination."""
+        count = 0
+        for interval in self.intervals:
+            for write in interval.writes:
+                count += len(write.plan)
+        return count
 
 
 @dataclass(frozen=True, slots=True)

@@ -1284,11 +1284,6 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
             ports += wire.session_port(d.session_id) or 0
             if d.manifest is not None:
                 sessions.append(d.session_id)
-        descriptors = nbytes = 0
-        for _, writes in intervals:
-            for w in writes:
-                descriptors += len(w.plan)
-                nbytes += w.plan.total_bytes
         chunk = StartTransfer(
             room=room,
             shard=ports % self.config.transfer_workers,
@@ -1296,7 +1291,7 @@ class PrefillCore(RankCore[TrackedRequest, PrefillCommand]):
             final=final,
             sessions=tuple(sessions),
         )
-        self._trace.transfer(room, nbytes, descriptors, now)
+        self._trace.transfer(room, chunk.total_bytes, chunk.descriptors, now)
         self._writing[room] = self._writing.get(room, 0) + 1
         self._commands.append(chunk)
 

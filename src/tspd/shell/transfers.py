@@ -164,10 +164,6 @@ class Staging:
             )
 
 
-def _descriptors(chunk: StartTransfer) -> int:
-    return sum(len(w.plan) for i in chunk.intervals for w in i.writes)
-
-
 #: A layerwise step wait re-checks its room and destinations this often.
 _WAIT_CHECK_S = 0.1
 
@@ -340,11 +336,12 @@ class TransferWorkers:
             self.stats.failed_chunks += 1
             self._feedback.chunk_failed(chunk, None, f"{type(exc).__name__}: {exc}")
             return
+        nbytes = plan.total_bytes
         self.stats.engine_calls += 1
         self.stats.descriptors += len(plan)
-        self.stats.bytes_written += plan.total_bytes
+        self.stats.bytes_written += nbytes
         if self._on_write is not None:
-            self._on_write(write.peer_session, plan.total_bytes, trio.current_time() - since)
+            self._on_write(write.peer_session, nbytes, trio.current_time() - since)
         self._feedback.chunk_succeeded(chunk)
 
     def _more_full_chunks(
@@ -353,7 +350,7 @@ class TransferWorkers:
         """Full-transfer chunks already queued behind ``first`` (up to the group caps),
         taken so that their copies to each session go out in shared engine calls."""
         more: list[StartTransfer] = []
-        descriptors = _descriptors(first)
+        descriptors = first.descriptors
         while len(more) + 1 < _GROUP_CHUNKS and descriptors < _GROUP_DESCRIPTORS:
             try:
                 chunk = receiver.receive_nowait()
@@ -364,7 +361,7 @@ class TransferWorkers:
                 self._held = chunk
                 break
             more.append(chunk)
-            descriptors += _descriptors(chunk)
+            descriptors += chunk.descriptors
         return more
 
     async def _run_one(self, chunk: StartTransfer) -> None:
